@@ -1,0 +1,22 @@
+"""Backend-specific code: the only place that branches on the backend.
+
+- `is_concrete(x)`: whether `x` holds values now (eager), so that input
+  checks on values (finite, power of two) can run; traced tensors skip them.
+- `jit(fn)`: `jax.jit` / `tf.function` / eager torch (`torch_compile(fn)`
+  for `torch.compile`).
+- `value_and_grad(fn)`: `fn(*args) -> scalar` to `(value, grads)` with
+  respect to every positional argument, on the current backend.
+"""
+
+import keras
+
+from keras_scalify.backend.dispatch import is_concrete
+from keras_scalify.backend.dispatch import jit
+from keras_scalify.backend.dispatch import torch_compile
+from keras_scalify.backend.dispatch import value_and_grad
+
+__all__ = ["is_concrete", "jit", "name", "torch_compile", "value_and_grad"]
+
+
+def name():
+    return keras.backend.backend()

@@ -1,0 +1,159 @@
+"""Power-of-two helpers, computed with integer bit operations.
+
+Every helper works on float16, bfloat16 and float32 inputs, computes in
+float32 (which holds every float16/bfloat16 value exactly) and is exact for
+float32 *subnormals* too: JAX and TensorFlow flush subnormal arithmetic to
+zero on CPU, so the exponent is read from the bits, never from arithmetic.
+
+Special values (for every helper the sign of the input is ignored in the
+power of two, which is always >= 0):
+
+| x          | pow2_round_down | pow2_round_up | pow2_decompose (scale, mantissa) |
+|------------|-----------------|---------------|----------------------------------|
+| 0          | 0               | 0             | (0, 0)                           |
+| ±inf       | inf             | inf           | (inf, ±inf)                      |
+| NaN        | inf             | inf           | (inf, NaN)                       |
+| > 2**127   | 2**127          | inf           | (2**127, m)                      |
+"""
+
+import numpy as np
+from keras import ops
+
+_EXP_MASK = 0x7F800000
+_MANT_MASK = 0x007FFFFF
+_SIGN_MASK = -0x80000000  # 0x80000000 as int32
+_ONE_BITS = 0x3F800000
+
+
+def _as_f32(x):
+    x = ops.convert_to_tensor(x)
+    if not _is_float(x.dtype):
+        raise TypeError(
+            f"Expected a floating-point tensor, got dtype {x.dtype}."
+        )
+    return ops.cast(x, "float32")
+
+
+def _is_float(dtype):
+    from keras.src.backend import standardize_dtype
+
+    return standardize_dtype(dtype) in (
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+
+
+def _bits(x):
+    return ops.view(x, "int32")
+
+
+def _from_bits(b):
+    return ops.view(ops.cast(b, "int32"), "float32")
+
+
+def _subnormal_pow2_bits(mant):
+    """Bits of 2**floor(log2(mant)) * 2**-149 for a subnormal mantissa."""
+    # `mant` < 2**23 converts to float32 exactly; its exponent is the index
+    # of the highest set bit.
+    as_float = ops.cast(ops.maximum(mant, 1), "float32")
+    top_bit = ops.right_shift(_bits(as_float), 23) - 127
+    return ops.left_shift(ops.ones_like(mant), top_bit)
+
+
+def pow2_round_down(x):
+    """Largest power of two `<= |x|`, as float32 (see the module table)."""
+    b = _bits(_as_f32(x))
+    exp = ops.bitwise_and(b, _EXP_MASK)
+    mant = ops.bitwise_and(b, _MANT_MASK)
+    is_special = ops.equal(exp, _EXP_MASK)  # inf or NaN
+    is_subnormal = ops.logical_and(ops.equal(exp, 0), ops.not_equal(mant, 0))
+    out = ops.where(is_subnormal, _subnormal_pow2_bits(mant), exp)
+    out = ops.where(is_special, _EXP_MASK, out)
+    return _from_bits(out)
+
+
+def pow2_round_up(x):
+    """Smallest power of two `>= |x|`, as float32 (exact powers stay)."""
+    x32 = ops.abs(_as_f32(x))
+    down = pow2_round_down(x32)
+    mant = ops.bitwise_and(_bits(x32), _MANT_MASK)
+    exp = ops.bitwise_and(_bits(x32), _EXP_MASK)
+    # A normal number is a power of two iff its mantissa bits are zero; a
+    # subnormal iff it equals its own round-down.
+    is_pow2 = ops.where(
+        ops.equal(exp, 0),
+        ops.equal(_bits(down), _bits(x32)),
+        ops.equal(mant, 0),
+    )
+    doubled = _from_bits(_double_bits(_bits(down)))
+    return ops.where(is_pow2, down, doubled)
+
+
+def _double_bits(b):
+    """Bits of 2*p for a power of two p given by its bits (p finite)."""
+    exp = ops.bitwise_and(b, _EXP_MASK)
+    # Normal: add one to the exponent (2**127 becomes inf, as it should).
+    # Subnormal (or zero): shift the single mantissa bit left.
+    return ops.where(ops.equal(exp, 0), ops.left_shift(b, 1), b + (1 << 23))
+
+
+def pow2_decompose(x):
+    """Split `x` into `(scale, mantissa)` with `x == mantissa * scale`.
+
+    `scale = pow2_round_down(x)` (float32, >= 0) and `|mantissa|` lies in
+    [1, 2) with the sign of `x`; the mantissa has the dtype of `x`. See the
+    module table for 0, ±inf and NaN.
+    """
+    x_in = ops.convert_to_tensor(x)
+    b = _bits(_as_f32(x_in))
+    sign = ops.bitwise_and(b, _SIGN_MASK)
+    exp = ops.bitwise_and(b, _EXP_MASK)
+    mant = ops.bitwise_and(b, _MANT_MASK)
+    # Subnormal: the mantissa integer converted to float32 is normal and
+    # carries the same significant bits.
+    sub_bits = _bits(ops.cast(ops.maximum(mant, 1), "float32"))
+    frac = ops.where(ops.equal(exp, 0), ops.bitwise_and(sub_bits, _MANT_MASK), mant)
+    m_bits = ops.bitwise_or(ops.bitwise_or(sign, _ONE_BITS), frac)
+    mantissa = _from_bits(m_bits)
+    is_zero = ops.logical_and(ops.equal(exp, 0), ops.equal(mant, 0))
+    is_special = ops.equal(exp, _EXP_MASK)
+    x32 = _from_bits(b)
+    mantissa = ops.where(is_zero, x32, mantissa)
+    mantissa = ops.where(is_special, x32, mantissa)
+    return pow2_round_down(x32), ops.cast(mantissa, x_in.dtype)
+
+
+def np_pow2_round_down(x):
+    """Static (NumPy) `pow2_round_down` for Python/NumPy scalars > 0."""
+    x = float(abs(x))
+    if x == 0.0 or not np.isfinite(x):
+        return 0.0 if x == 0.0 else float("inf")
+    m, e = np.frexp(x)  # x = m * 2**e, m in [0.5, 1)
+    return float(np.ldexp(1.0, int(e) - 1))
+
+
+def np_pow2_decompose(x):
+    """Static (NumPy) `pow2_decompose` of a Python/NumPy float scalar."""
+    x = float(x)
+    if x == 0.0:
+        return 0.0, 0.0
+    if not np.isfinite(x):
+        return float("inf"), x
+    s = np_pow2_round_down(x)
+    return s, x / s
+
+
+def pow2_exponent(x):
+    """`floor(log2|x|)` of a normal float32 `x`, as int32 (exact)."""
+    b = _bits(_as_f32(x))
+    return ops.right_shift(ops.bitwise_and(b, _EXP_MASK), 23) - 127
+
+
+def pow2_from_exponent(e):
+    """`2**e` as float32 for int32 `e`, clamped to [-126, 127] (exact)."""
+    e = ops.clip(ops.cast(e, "int32"), -126, 127)
+    return _from_bits(ops.left_shift(e + 127, 23))

@@ -1,0 +1,163 @@
+"""`ScaledTensor`: a tensor carried as `data * scale`."""
+
+import collections
+
+import numpy as np
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.core import pow2
+
+_FLOAT_DTYPES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+
+
+def _is_tensor_like(x):
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+class ScaledTensor(
+    collections.namedtuple("ScaledTensor", ["data", "scale", "grad_scale"])
+):
+    """A tensor represented as `data * scale`.
+
+    - `data`: the payload, in the storage/compute dtype (float32, float16,
+      bfloat16; FP8 only where a cast asks for it).
+    - `scale`: a float32 scalar, a power of two (or 0 for a zero tensor).
+    - `grad_scale`: a float32 power-of-two scalar fixed in the forward pass;
+      the cotangent of `data` travels as `true_gradient / grad_scale`
+      (see `docs/design.md`). Defaults to 1.
+
+    It is a named tuple, so it flows as a structure of three tensors through
+    `keras.tree`, JAX pytrees, `tf.nest`, torch pytrees and between the
+    layers of a Functional model. Arithmetic operators (`+ - * / @`, unary
+    `-`, `abs`, `**`) dispatch to `keras_scalify.ops`; tuple concatenation
+    and repetition are therefore not available.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, data, scale, grad_scale=None):
+        if _is_tensor_like(data) or isinstance(data, (float, int)):
+            if not isinstance(data, (float, int)) or isinstance(data, bool):
+                _check_float("data", data)
+            scale = _as_scale_tensor("scale", scale)
+            if grad_scale is None:
+                grad_scale = ops.ones((), "float32")
+            grad_scale = _as_scale_tensor("grad_scale", grad_scale)
+        return super().__new__(cls, data, scale, grad_scale)
+
+    # --- array-like properties --------------------------------------------
+    @property
+    def shape(self):
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self):
+        return standardize_dtype(self.data.dtype)
+
+    @property
+    def ndim(self):
+        return len(self.data.shape)
+
+    def to_array(self, dtype=None):
+        """The represented tensor `data * scale` (see `to_array`)."""
+        from keras_scalify.ops.boundary import to_array
+
+        return to_array(self, dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        out = ops.convert_to_numpy(self.to_array())
+        return out.astype(dtype) if dtype is not None else out
+
+    def __repr__(self):
+        return (
+            f"ScaledTensor(data={self.data!r}, scale={self.scale!r}, "
+            f"grad_scale={self.grad_scale!r})"
+        )
+
+    # --- operators ----------------------------------------------------------
+    def __add__(self, other):
+        return _ops().add(self, other)
+
+    def __radd__(self, other):
+        return _ops().add(other, self)
+
+    def __sub__(self, other):
+        return _ops().subtract(self, other)
+
+    def __rsub__(self, other):
+        return _ops().subtract(other, self)
+
+    def __mul__(self, other):
+        return _ops().multiply(self, other)
+
+    def __rmul__(self, other):
+        return _ops().multiply(other, self)
+
+    def __truediv__(self, other):
+        return _ops().divide(self, other)
+
+    def __rtruediv__(self, other):
+        return _ops().divide(other, self)
+
+    def __matmul__(self, other):
+        return _ops().matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _ops().matmul(other, self)
+
+    def __neg__(self):
+        return _ops().negative(self)
+
+    def __abs__(self):
+        return _ops().abs(self)
+
+    def __pow__(self, other):
+        return _ops().power(self, other)
+
+
+def _ops():
+    from keras_scalify import ops as ksc_ops
+
+    return ksc_ops
+
+
+def _check_float(name, x):
+    dtype = standardize_dtype(x.dtype)
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"`{name}` must have a floating-point dtype, got {dtype}. "
+            f"Cast integer or boolean tensors before scaling them."
+        )
+
+
+def _as_scale_tensor(name, s):
+    if isinstance(s, bool):
+        raise TypeError(f"`{name}` must be a float, got a bool.")
+    if isinstance(s, (float, int, np.ndarray, np.generic)):
+        s = np.asarray(s)
+        if s.dtype.kind in "iu":
+            s = s.astype("float32")
+        s = ops.convert_to_tensor(s)
+    elif not _is_tensor_like(s):
+        s = ops.convert_to_tensor(s)
+    if len(s.shape) != 0:
+        raise ValueError(
+            f"`{name}` must be a scalar (rank 0), got shape {tuple(s.shape)}."
+        )
+    _check_float(name, s)
+    if standardize_dtype(s.dtype) != "float32":
+        s = ops.cast(s, "float32")
+    return s
+
+
+def is_scaled(x):
+    """Whether `x` is a `ScaledTensor`."""
+    return isinstance(x, ScaledTensor)

@@ -1,0 +1,201 @@
+"""Shared machinery of the scale rules: promotion and gradient rescaling.
+
+Gradient convention (docs/design.md): the cotangent of `x.data` is
+`true_gradient / x.grad_scale`. For an op `Y = F(X)` computed on data as
+`Yd = F_d(Xd)`, plain autodiff of `F_d` gives `dL/dXd = J_d^T dL/dYd`; the
+convention then needs the extra pow2 factor
+
+    c = (s_Y * gs_Y) / (s_X * gs_X)
+
+on the input's cotangent. `scale_grad(xd, c)` applies it (identity forward),
+and `rescale(xd, f, b)` fuses a forward pow2 multiply with a backward one so
+that no low-precision intermediate under- or overflows.
+"""
+
+import math
+
+import numpy as np
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.core import pow2
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+
+_LOW = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _mul_pow2(x, factor):
+    """`x * factor` for a float32 pow2 scalar, rounding once in x's dtype."""
+    dtype = standardize_dtype(x.dtype)
+    if dtype in _LOW:
+        return ops.cast(ops.multiply(ops.cast(x, "float32"), factor), dtype)
+    return ops.multiply(x, ops.cast(factor, dtype))
+
+
+def _upstream(args, upstream):
+    if upstream is None:
+        (upstream,) = args
+    return upstream
+
+
+@ops.custom_gradient
+def _rescale_fwd_bwd(x, fwd, bwd):
+    def grad(*args, upstream=None, variables=None):
+        g = _upstream(args, upstream)
+        return _mul_pow2(g, bwd), None, None
+
+    return _mul_pow2(x, fwd), grad
+
+
+@ops.custom_gradient
+def _rescale_bwd(x, bwd):
+    def grad(*args, upstream=None, variables=None):
+        g = _upstream(args, upstream)
+        return _mul_pow2(g, bwd), None
+
+    return ops.multiply(x, ops.ones((), x.dtype)), grad
+
+
+def _f32(v):
+    return ops.stop_gradient(ops.convert_to_tensor(v, "float32"))
+
+
+def rescale(x, fwd, bwd):
+    """Forward `x * fwd`, backward `cotangent * bwd` (pow2 float32 scalars)."""
+    return _rescale_fwd_bwd(x, _f32(fwd), _f32(bwd))
+
+
+def scale_grad(x, bwd):
+    """Identity forward, `cotangent * bwd` backward."""
+    return _rescale_bwd(x, _f32(bwd))
+
+
+def safe_div(a, b):
+    """`a / b`, and 0 where `b == 0` (zero-scale tensors stay NaN-free)."""
+    b_safe = ops.where(ops.equal(b, 0), ops.ones_like(b), b)
+    return ops.where(ops.equal(b, 0), ops.zeros_like(a), a / b_safe)
+
+
+def grad_factor(s_out, gs_out, s_in, gs_in):
+    """The cotangent factor `c = (s_out * gs_out) / (s_in * gs_in)`."""
+    return safe_div(s_out * gs_out, s_in * gs_in)
+
+
+def pow2_mean(*scales):
+    """Power of two at the (floored) mean exponent: a geometric mean."""
+    exps = [pow2.pow2_exponent(s) for s in scales]
+    total = exps[0]
+    for e in exps[1:]:
+        total = total + e
+    mean = ops.floor_divide(total, len(exps))
+    return pow2.pow2_from_exponent(mean)
+
+
+def pow2_max(*scales):
+    out = scales[0]
+    for s in scales[1:]:
+        out = ops.maximum(out, s)
+    return out
+
+
+def static_pow2_sqrt(n):
+    """`pow2_round_down(sqrt(n))` for a static size `n` (a Python float)."""
+    return pow2.np_pow2_round_down(math.sqrt(max(int(n), 1)))
+
+
+def static_size(shape, axes, name="x"):
+    n = 1
+    for a in axes:
+        d = shape[a]
+        if d is None:
+            raise ValueError(
+                f"`{name}` needs a static size along axis {a} for its scale "
+                f"rule; got shape {tuple(shape)}."
+            )
+        n *= int(d)
+    return n
+
+
+def stop(x):
+    return ops.stop_gradient(x)
+
+
+def scalars(x):
+    """`(scale, grad_scale)` of a ScaledTensor with gradients stopped."""
+    return stop(x.scale), stop(x.grad_scale)
+
+
+def check_input(name, x):
+    """Raise a clear TypeError for non-float inputs."""
+    if is_scaled(x) or _is_python_float(x):
+        return
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a float, got a bool.")
+    if isinstance(x, (int, np.integer)):
+        return
+    dtype = standardize_dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+    if not _is_float(dtype):
+        raise TypeError(
+            f"`{name}` must be a floating-point tensor or a ScaledTensor, got "
+            f"dtype {dtype}."
+        )
+
+
+def _is_float(dtype):
+    return dtype in ("float16", "bfloat16", "float32", "float64") + _LOW
+
+
+def _is_python_float(x):
+    return isinstance(x, (float, np.floating)) and not isinstance(x, bool)
+
+
+def is_static_scalar(x):
+    return isinstance(x, (float, int, np.floating, np.integer)) and not (
+        isinstance(x, (bool, np.bool_))
+    )
+
+
+def static_scalar(x, like):
+    """A Python scalar as an exact ScaledTensor (mantissa * pow2).
+
+    Its `grad_scale` is `like`'s: constants carry no gradient, so they
+    never pull the propagated gradient scale.
+    """
+    s, m = pow2.np_pow2_decompose(float(x))
+    data = ops.cast(ops.convert_to_tensor(np.float32(m)), like.dtype)
+    return ScaledTensor(data, np.float32(s), stop(like.grad_scale))
+
+
+def is_anyscale(x):
+    """A static constant that every scale represents: 0 or ±inf."""
+    return is_static_scalar(x) and (float(x) == 0.0 or math.isinf(float(x)))
+
+
+def promote(x, like=None, name="x"):
+    """Any operand as a ScaledTensor.
+
+    - ScaledTensor: unchanged.
+    - Python scalar: exact mantissa * pow2 split, no gradient.
+    - plain tensor: scale 1 (`as_scaled`), with `like`'s grad_scale.
+    """
+    check_input(name, x)
+    if is_scaled(x):
+        return x
+    if is_static_scalar(x):
+        if like is None:
+            raise TypeError(f"`{name}`: at least one operand must be scaled.")
+        return static_scalar(x, like)
+    from keras_scalify.ops.boundary import as_scaled
+
+    gs = None if like is None else stop(like.grad_scale)
+    return as_scaled(x, grad_scale=gs)
+
+
+def result_dtype(*xs):
+    dtypes = [standardize_dtype(x.dtype) for x in xs]
+    return ops.result_type(*dtypes)
+
+
+def scaled(data, scale, grad_scale):
+    return ScaledTensor(data, scale, grad_scale)

@@ -1,0 +1,101 @@
+"""The boundary between plain tensors and ScaledTensors."""
+
+import math
+
+import numpy as np
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.backend import is_concrete
+from keras_scalify.core import pow2
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_input
+from keras_scalify.ops._common import rescale
+from keras_scalify.ops._common import scale_grad
+
+
+def _check_scale_value(name, s, allow_zero):
+    """Value checks on a concrete scale: finite, >= 0, a power of two."""
+    if not is_concrete(s):
+        return
+    v = float(np.asarray(ops.convert_to_numpy(s), dtype=np.float64))
+    if not math.isfinite(v):
+        raise ValueError(f"`{name}` must be finite, got {v}.")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"`{name}` must be positive, got {v}.")
+    if v != 0 and pow2.np_pow2_round_down(v) != v:
+        raise ValueError(
+            f"`{name}` must be a power of two, got {v}. Use "
+            f"`keras_scalify.core.pow2_round_down` to round it."
+        )
+
+
+def as_scaled(x, scale=None, grad_scale=None):
+    """A ScaledTensor with data `x` and `scale`: it represents `x * scale`.
+
+    - `scale=None`: a tensor gets scale 1; a Python float is split exactly
+      into mantissa (data, in [1, 2)) and pow2 scale.
+    - `scale`: a power-of-two scalar (0 for a zero tensor).
+    - `grad_scale`: the pow2 gradient scale (default 1): the cotangent of
+      the data is `true_gradient / grad_scale`. Gradients with respect to
+      `x` come back as ordinary (true) gradients.
+
+    A ScaledTensor is returned unchanged. Integer or boolean inputs raise
+    `TypeError`; a non-scalar, non-finite, negative or non-pow2 scale raises
+    `ValueError`.
+    """
+    if is_scaled(x):
+        if scale is not None or grad_scale is not None:
+            raise ValueError(
+                "`x` is already a ScaledTensor: `scale` and `grad_scale` "
+                "must be None. Use `keras_scalify.ops.dynamic_rescale_*` "
+                "to move a factor between data and scale."
+            )
+        return x
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError("`x` must be a float, got a bool.")
+    if isinstance(x, (float, int, np.floating, np.integer)) and scale is None:
+        s, m = pow2.np_pow2_decompose(float(x))
+        x, scale = np.float32(m), np.float32(s)
+    check_input("x", x)
+    if isinstance(x, (np.ndarray, np.generic, float, int, list, tuple)):
+        x = np.asarray(x)
+        if x.dtype == np.float64:
+            x = x.astype(np.float32)
+        x = ops.convert_to_tensor(x)
+    if scale is None:
+        scale = np.float32(1.0)
+    if grad_scale is None:
+        grad_scale = np.float32(1.0)
+    out = ScaledTensor(x, scale, grad_scale)
+    _check_scale_value("scale", out.scale, allow_zero=True)
+    _check_scale_value("grad_scale", out.grad_scale, allow_zero=False)
+    s = ops.stop_gradient(out.scale)
+    gs = ops.stop_gradient(out.grad_scale)
+    # d loss / d x = s * gs * cotangent(data)
+    return ScaledTensor(scale_grad(out.data, s * gs), out.scale, out.grad_scale)
+
+
+def to_array(x, dtype=None):
+    """The represented tensor `data * scale`, multiplied in float32.
+
+    `dtype` (default float32) is the output dtype; the cast after the
+    float32 multiply is a plain cast (overflow gives ±inf). A plain tensor
+    is returned as is (cast to `dtype` if given). Gradients flowing back
+    are true gradients; the data receives `gradient / grad_scale`.
+    """
+    if not is_scaled(x):
+        check_input("x", x)
+        x = ops.convert_to_tensor(x)
+        return x if dtype is None else ops.cast(x, dtype)
+    s = ops.stop_gradient(x.scale)
+    gs = ops.stop_gradient(x.grad_scale)
+    data = x.data
+    if standardize_dtype(data.dtype) != "float32":
+        data = ops.cast(data, "float32")
+    one = ops.ones((), "float32")
+    out = rescale(data, s, one / gs)
+    if dtype is not None and standardize_dtype(dtype) != "float32":
+        out = ops.cast(out, dtype)
+    return out

@@ -1,0 +1,174 @@
+"""Scale rules of contractions: matmul, dot, einsum.
+
+Rule (jax-scalify's `dot_general`, generalised to batch dims and einsum):
+`s = Π s_i · r` and `d = contraction(data) / r` with `r = P(sqrt(K))`, K the
+contracted size. Gradient scale (inverse unit-scaling backward rule): the
+backward of operand i contracts `n_i = size(out)·K/size(i)` elements, so
+`g = mean_i(g_i / (Π_{j≠i} s_j · P(sqrt(n_i))))`.
+"""
+
+import math
+import string
+
+import numpy as np
+from keras import ops
+
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_input
+from keras_scalify.ops._common import grad_factor
+from keras_scalify.ops._common import pow2_mean
+from keras_scalify.ops._common import promote
+from keras_scalify.ops._common import rescale
+from keras_scalify.ops._common import safe_div
+from keras_scalify.ops._common import scalars
+from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops._common import static_pow2_sqrt
+
+
+def _size(shape, name):
+    """Static element count; 1 for unknown dims (they only enter the
+    gradient-scale heuristic, never the forward scale)."""
+    return int(np.prod([1 if d is None else d for d in shape], dtype=np.int64))
+
+
+def _contract(fn, operands, k, out_shape):
+    """Apply `fn` to the data of `operands` with the contraction rule."""
+    sc = [scalars(x) for x in operands]
+    r = np.float32(static_pow2_sqrt(k))
+    size_out = _size(out_shape, "output")
+    scale = sc[0][0]
+    for s_i, _ in sc[1:]:
+        scale = scale * s_i
+    scale = scale * r
+    preds, ns = [], []
+    for i, x in enumerate(operands):
+        n_i = max(size_out * k // max(_size(x.shape, f"x{i + 1}"), 1), 1)
+        others = np.float32(1.0)
+        for j, (s_j, _) in enumerate(sc):
+            if j != i:
+                others = others * s_j
+        preds.append(safe_div(sc[i][1], others * static_pow2_sqrt(n_i)))
+        ns.append(n_i)
+    g = pow2_mean(*preds)
+    beta = np.float32(1.0 / static_pow2_sqrt(ns[0]))
+    datas = []
+    for (s_i, g_i), x in zip(sc, operands):
+        c = grad_factor(scale, g, s_i, g_i) / (r * beta)
+        datas.append(scale_grad(x.data, c))
+    out = rescale(fn(*datas), np.float32(1.0 / r), beta)
+    return ScaledTensor(out, scale, g)
+
+
+def _operands(x1, x2):
+    check_input("x1", x1)
+    check_input("x2", x2)
+    if not (is_scaled(x1) or is_scaled(x2)):
+        return None
+    like = x1 if is_scaled(x1) else x2
+    return promote(x1, like, "x1"), promote(x2, like, "x2")
+
+
+def _static_k(x, name):
+    k = x.shape[-1] if len(x.shape) else 1
+    if k is None:
+        raise ValueError(
+            f"`{name}` needs a static contracted dimension for its scale rule; "
+            f"got shape {tuple(x.shape)}."
+        )
+    return int(k)
+
+
+def matmul(x1, x2):
+    """Rule: `s = sa·sb·P(sqrt(K))`, `d = (a @ b)/P(sqrt(K))`, K = x1.shape[-1].
+
+    Example: `(3,5)·2 @ (5,2)·4` → scale 16 (2·4·P(√5)=2), data 2.5 for ones.
+    """
+    ab = _operands(x1, x2)
+    if ab is None:
+        return ops.matmul(x1, x2)
+    a, b = ab
+    out_shape = ops.matmul(_spec(a), _spec(b)).shape
+    return _contract(ops.matmul, [a, b], _static_k(a.data, "x1"), out_shape)
+
+
+def dot(x1, x2):
+    """Rule: as `matmul`, K = x1.shape[-1] (NumPy `dot` semantics)."""
+    ab = _operands(x1, x2)
+    if ab is None:
+        return ops.dot(x1, x2)
+    a, b = ab
+    out_shape = ops.dot(_spec(a), _spec(b)).shape
+    return _contract(ops.dot, [a, b], _static_k(a.data, "x1"), out_shape)
+
+
+def _spec(x):
+    import keras
+
+    return keras.KerasTensor(tuple(x.shape), dtype=x.dtype)
+
+
+def _parse_einsum(subscripts, shapes):
+    """Letters and sizes: returns (K, output letters)."""
+    subs = subscripts.replace(" ", "")
+    if "->" in subs:
+        ins, out = subs.split("->")
+    else:
+        ins, out = subs, None
+    ins = ins.split(",")
+    if len(ins) != len(shapes):
+        raise ValueError(
+            f"`subscripts` {subscripts!r} names {len(ins)} operands, got "
+            f"{len(shapes)}."
+        )
+    sizes = {}
+    free = iter(c for c in string.ascii_uppercase[::-1])
+    for term, shape in zip(ins, shapes):
+        letters = _expand_ellipsis(term, len(shape), free)
+        for c, d in zip(letters, shape):
+            sizes[c] = d
+    counts = {}
+    for term in ins:
+        for c in term.replace("...", ""):
+            counts[c] = counts.get(c, 0) + 1
+    if out is None:
+        out = "".join(sorted(c for c, n in counts.items() if n == 1))
+    contracted = [c for c in counts if c not in out]
+    k = 1
+    for c in contracted:
+        if sizes[c] is None:
+            raise ValueError(
+                f"einsum needs a static size for contracted index {c!r}."
+            )
+        k *= int(sizes[c])
+    return k
+
+
+def _expand_ellipsis(term, ndim, free):
+    if "..." not in term:
+        return term
+    n = ndim - (len(term) - 3)
+    return term.replace("...", "".join(next(free) for _ in range(n)))
+
+
+def einsum(subscripts, *operands):
+    """Rule: `s = Π s_i · P(sqrt(K))`, `d = einsum(data)/P(sqrt(K))`.
+
+    K is the product of the sizes of the indices summed out (in an input,
+    not in the output).
+    """
+    if not isinstance(subscripts, str):
+        raise TypeError(f"`subscripts` must be a string, got {subscripts!r}.")
+    for i, x in enumerate(operands):
+        check_input(f"operands[{i}]", x)
+    if not any(is_scaled(x) for x in operands):
+        return ops.einsum(subscripts, *operands)
+    like = next(x for x in operands if is_scaled(x))
+    xs = [promote(x, like, f"operands[{i}]") for i, x in enumerate(operands)]
+    k = _parse_einsum(subscripts, [x.shape for x in xs])
+    out_shape = ops.einsum(subscripts, *[_spec(x) for x in xs]).shape
+
+    def fn(*datas):
+        return ops.einsum(subscripts, *datas)
+
+    return _contract(fn, xs, k, out_shape)

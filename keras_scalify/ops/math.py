@@ -1,0 +1,80 @@
+"""Scale rules of pointwise transcendental functions.
+
+These are computed on the represented values in float32 (`u = a·sa`) and
+returned with a rule-given output scale, so no scale can overflow the data
+dtype; cotangents are exact.
+"""
+
+from keras import ops
+
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_input
+from keras_scalify.ops._common import rescale
+from keras_scalify.ops._common import safe_div
+from keras_scalify.ops._common import scalars
+
+
+def pointwise(x, fn, s_out, g_out):
+    """`fn` applied to the true values of `x`, output with scale `s_out`.
+
+    Forward `d = fn(a·sa)/s_out` in float32; backward: the cotangent of `a`
+    is `fn'·cotangent·g_out/ga` (the convention of docs/design.md).
+    """
+    sa, ga = scalars(x)
+    u = rescale(ops.cast(x.data, "float32"), sa, safe_div(g_out, ga))
+    v = fn(u)
+    one = ops.ones((), "float32")
+    v = rescale(v, safe_div(one, s_out), one)
+    return ScaledTensor(ops.cast(v, x.dtype), s_out, g_out)
+
+
+def _plain_or_scaled(x, plain_fn):
+    check_input("x", x)
+    return None if is_scaled(x) else plain_fn(x)
+
+
+def exp(x):
+    """Rule: `s = 1`, `d = exp(a·sa)` (float32); `g = ga`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.exp)
+    _, ga = scalars(x)
+    return pointwise(x, ops.exp, ops.ones((), "float32"), ga)
+
+
+def log(x):
+    """Rule: `s = 1`, `d = log(a) + log(sa)` (float32, no overflow); `g = ga·sa`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.log)
+    sa, ga = scalars(x)
+    data = ops.log(ops.cast(x.data, "float32")) + ops.log(sa)
+    return ScaledTensor(ops.cast(data, x.dtype), ops.ones((), "float32"), ga * sa)
+
+
+def _bounded_scale(sa):
+    """`min(sa, 1)`: for |f(x)| <= min(|x|, 1) (tanh, erf up to 2/√π)."""
+    return ops.minimum(sa, ops.ones((), "float32"))
+
+
+def tanh(x):
+    """Rule: `s = min(sa, 1)` (|tanh x| ≤ min(|x|, 1)), `d = tanh(a·sa)/s`; `g = ga`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.tanh)
+    sa, ga = scalars(x)
+    return pointwise(x, ops.tanh, _bounded_scale(sa), ga)
+
+
+def erf(x):
+    """Rule: `s = min(sa, 1)`, `d = erf(a·sa)/s`; `g = ga`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.erf)
+    sa, ga = scalars(x)
+    return pointwise(x, ops.erf, _bounded_scale(sa), ga)
+
+
+def sigmoid(x):
+    """Rule: `s = 1` (values in (0, 1)), `d = sigmoid(a·sa)`; `g = ga`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.sigmoid)
+    _, ga = scalars(x)
+    return pointwise(x, ops.sigmoid, ops.ones((), "float32"), ga)

@@ -1,0 +1,92 @@
+"""Custom rules of softmax-like and normalization ops (paper §3.2.1, App. C).
+
+All are computed in float32 and cast back to the data dtype.
+"""
+
+from keras import ops
+
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_input
+from keras_scalify.ops._common import scalars
+from keras_scalify.ops.math import pointwise
+
+
+
+def softmax(x, axis=-1):
+    """Rule: `s = 1` (values in [0, 1]), `d = softmax(a·sa)`; `g = ga`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.softmax(x, axis=axis)
+    _, ga = scalars(x)
+    one = ops.ones((), "float32")
+    return pointwise(x, lambda u: ops.softmax(u, axis=axis), one, ga)
+
+
+def log_softmax(x, axis=-1):
+    """Rule: `s = 1`, `d = log_softmax(a·sa)`; `g = ga`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.log_softmax(x, axis=axis)
+    _, ga = scalars(x)
+    one = ops.ones((), "float32")
+    return pointwise(x, lambda u: ops.log_softmax(u, axis=axis), one, ga)
+
+
+def logsumexp(x, axis=None, keepdims=False):
+    """Rule: `s = max(sa, 1)` (≈ max(x) for large x, ≈ log n for small), `d = lse(a·sa)/s`; `g = ga`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.logsumexp(x, axis=axis, keepdims=keepdims)
+    sa, ga = scalars(x)
+    s = ops.maximum(sa, ops.ones((), "float32"))
+    return pointwise(
+        x, lambda u: ops.logsumexp(u, axis=axis, keepdims=keepdims), s, ga
+    )
+
+
+def _normalize(x, axis, epsilon, center):
+    import keras
+
+    if epsilon is None:
+        epsilon = keras.config.epsilon()
+    sa, ga = scalars(x)
+    a = ops.cast(x.data, "float32")
+    # (X - E X)/sqrt(Var X + eps) == (a - E a)/sqrt(Var a + eps/sa²): exact,
+    # so the model is unchanged (the paper's variant drops the 1/sa²).
+    eps_d = epsilon / ops.maximum(sa * sa, 1e-38)
+    # Same operation order as keras.ops: pow2 scalings then commute exactly.
+    if center:
+        mean, var = ops.moments(a, axes=_axes(axis), keepdims=True)
+        inv = ops.rsqrt(var + eps_d)
+        out = a * inv + (-mean * inv)
+    else:
+        ms = ops.mean(ops.square(a), axis=axis, keepdims=True)
+        out = a * ops.rsqrt(ms + eps_d)
+    # Backward: dX ~ dY/σ with σ ≈ sa (unit data) → g = ga·sa; the data
+    # cotangent is then plain autodiff (c = 1).
+    return ScaledTensor(ops.cast(out, x.dtype), ops.ones((), "float32"), ga * sa)
+
+
+def _axes(axis):
+    return sorted(axis) if isinstance(axis, (list, tuple)) else [axis]
+
+
+def layer_normalization(x, axis=-1, epsilon=None):
+    """Rule (no affine): `s = 1`, `d = (a - E a)/sqrt(Var a + eps/sa²)`; `g = ga·sa`.
+
+    Equal to `keras.ops.layer_normalization(x, axis=axis, epsilon=epsilon)`
+    on the represented values.
+    """
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.layer_normalization(x, axis=axis, epsilon=epsilon)
+    return _normalize(x, axis, epsilon, center=True)
+
+
+def rms_normalization(x, axis=-1, epsilon=None):
+    """Rule (no affine): `s = 1`, `d = a/sqrt(E a² + eps/sa²)`; `g = ga·sa`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.rms_normalization(x, axis=axis, epsilon=epsilon)
+    return _normalize(x, axis, epsilon, center=False)

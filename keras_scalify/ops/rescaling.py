@@ -1,0 +1,131 @@
+"""Dynamic and delayed rescaling.
+
+Forward rescaling (`dynamic_rescale_l1/l2/max`) moves an exact power of two
+from the data to the scale, chosen from a statistic of the data: the
+represented value does not change.
+
+Gradient rescaling (`dynamic_rescale_*_grad`) cannot be decided inside the
+backward pass: autodiff sums the cotangents of a tensor used twice, so each
+tensor's grad scale is fixed in the forward pass (docs/design.md). It is
+therefore *delayed*: the statistic measured on this step's cotangent sets
+the grad scale of the next step. The state is one float32 scalar (history
+length 1; 0 means "not calibrated yet: keep the propagated grad scale"),
+and the new value leaves the backward pass as the "gradient" of that state,
+the route of Keras's `overwrite_with_gradient` variables (see
+`keras_scalify.layers.DynamicRescaleGrad`).
+"""
+
+from keras import ops
+
+from keras_scalify.core import pow2
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.ops._common import _mul_pow2
+from keras_scalify.ops._common import promote
+from keras_scalify.ops._common import rescale
+from keras_scalify.ops._common import scalars
+from keras_scalify.ops._common import stop
+
+STATISTICS = ("l1", "l2", "max")
+
+
+def data_statistic(data, statistic):
+    """Mean |d| (l1), RMS (l2) or max |d| (max) of `data`, in float32."""
+    d = ops.cast(data, "float32")
+    if statistic == "l1":
+        return ops.mean(ops.abs(d))
+    if statistic == "l2":
+        return ops.sqrt(ops.mean(ops.square(d)))
+    if statistic == "max":
+        return ops.max(ops.abs(d))
+    raise ValueError(
+        f"`statistic` must be one of {STATISTICS}, got {statistic!r}."
+    )
+
+
+def _valid_pow2(stat):
+    """`P(stat)` when finite and > 0, else 1 (rescaling is then a no-op)."""
+    ok = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
+    return ops.where(ok, pow2.pow2_round_down(stat), ops.ones_like(stat))
+
+
+def dynamic_rescale(x, statistic="l2"):
+    """Rule: `k = P(stat(d))`; `s = sa·k`, `d = a/k`; `g` unchanged. Exact."""
+    x = promote(x, None, "x")
+    sa, ga = scalars(x)
+    k = stop(_valid_pow2(data_statistic(x.data, statistic)))
+    one = ops.ones((), "float32")
+    data = rescale(x.data, one / k, one)
+    return ScaledTensor(data, sa * k, ga)
+
+
+def dynamic_rescale_l1(x):
+    """`dynamic_rescale` with the mean absolute value."""
+    return dynamic_rescale(x, "l1")
+
+
+def dynamic_rescale_l2(x):
+    """`dynamic_rescale` with the RMS (paper Alg. 4)."""
+    return dynamic_rescale(x, "l2")
+
+
+def dynamic_rescale_max(x):
+    """`dynamic_rescale` with the max absolute value."""
+    return dynamic_rescale(x, "max")
+
+
+def _delayed_fn(statistic):
+    @ops.custom_gradient
+    def fn(data, state, g_in, g_out):
+        def grad(*args, upstream=None, variables=None):
+            g = args[0] if upstream is None else upstream
+            # Re-express the cotangent in the input's grad scale.
+            factor = ops.where(ops.equal(g_in, 0), ops.zeros_like(g_in), g_out / g_in)
+            g_data = _mul_pow2(g, factor)
+            # Next step's grad scale: this step's statistic, in true units.
+            stat = data_statistic(g, statistic)
+            ok = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
+            new = pow2.pow2_round_down(g_out * stat)
+            ok = ops.logical_and(ok, ops.logical_and(ops.isfinite(new), ops.greater(new, 0.0)))
+            new_state = ops.where(ok, new, state)
+            return g_data, new_state, None, None
+
+        return ops.multiply(data, ops.ones((), data.dtype)), grad
+
+    return fn
+
+
+def delayed_rescale_grad(x, state, statistic="l2"):
+    """Rule: `g = state` (the previous step's measured grad scale; the
+    propagated `ga` while `state == 0`); scale and data unchanged.
+
+    Backward: the cotangent is re-expressed in `ga` units (exact pow2), and
+    the "gradient" of `state` is the new grad scale `P(g·stat(cotangent))`
+    (unchanged when the statistic is 0 or not finite). `state` is a float32
+    scalar tensor read from an `overwrite_with_gradient` variable.
+    """
+    if statistic not in STATISTICS:
+        raise ValueError(
+            f"`statistic` must be one of {STATISTICS}, got {statistic!r}."
+        )
+    x = promote(x, None, "x")
+    sa, ga = scalars(x)
+    state = ops.convert_to_tensor(state, "float32")
+    s_state = stop(state)
+    g_out = ops.where(ops.greater(s_state, 0.0), s_state, ga)
+    data = _delayed_fn(statistic)(x.data, state, ga, g_out)
+    return ScaledTensor(data, x.scale, g_out)
+
+
+def dynamic_rescale_l1_grad(x, state):
+    """`delayed_rescale_grad` with the mean absolute value."""
+    return delayed_rescale_grad(x, state, "l1")
+
+
+def dynamic_rescale_l2_grad(x, state):
+    """`delayed_rescale_grad` with the RMS (paper Alg. 5: LayerNorm inputs)."""
+    return delayed_rescale_grad(x, state, "l2")
+
+
+def dynamic_rescale_max_grad(x, state):
+    """`delayed_rescale_grad` with the max absolute value."""
+    return delayed_rescale_grad(x, state, "max")

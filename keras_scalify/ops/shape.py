@@ -1,0 +1,101 @@
+"""Scale rules of shape, indexing and dtype ops: scale and grad scale unchanged."""
+
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.core.formats import FORMATS
+from keras_scalify.core.formats import saturating_cast
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_input
+
+
+def _same_scale(x, data):
+    return ScaledTensor(data, x.scale, x.grad_scale)
+
+
+def reshape(x, newshape):
+    """Rule: scale unchanged; `d = reshape(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.reshape(x, newshape)
+    return _same_scale(x, ops.reshape(x.data, newshape))
+
+
+def transpose(x, axes=None):
+    """Rule: scale unchanged; `d = transpose(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.transpose(x, axes)
+    return _same_scale(x, ops.transpose(x.data, axes))
+
+
+def expand_dims(x, axis):
+    """Rule: scale unchanged; `d = expand_dims(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.expand_dims(x, axis)
+    return _same_scale(x, ops.expand_dims(x.data, axis))
+
+
+def squeeze(x, axis=None):
+    """Rule: scale unchanged; `d = squeeze(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.squeeze(x, axis)
+    return _same_scale(x, ops.squeeze(x.data, axis))
+
+
+def slice(inputs, start_indices, shape):
+    """Rule: scale unchanged; `d = slice(a)`."""
+    check_input("inputs", inputs)
+    if not is_scaled(inputs):
+        return ops.slice(inputs, start_indices, shape)
+    return _same_scale(inputs, ops.slice(inputs.data, start_indices, shape))
+
+
+def take(x, indices, axis=None):
+    """Rule: scale unchanged; `d = take(a, indices)` (an embedding lookup)."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.take(x, indices, axis=axis)
+    return _same_scale(x, ops.take(x.data, indices, axis=axis))
+
+
+def cast(x, dtype):
+    """Rule: scale unchanged; `d = cast(a)`, saturating for every float format.
+
+    Casting a ScaledTensor to a non-float dtype raises `TypeError` (use
+    `to_array` first).
+    """
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.cast(x, dtype)
+    name = standardize_dtype(dtype)
+    if name not in FORMATS:
+        raise TypeError(
+            f"`dtype` must be one of {sorted(FORMATS)} for a ScaledTensor, "
+            f"got {name}. Call `keras_scalify.to_array` before casting to "
+            f"other dtypes."
+        )
+    if name == x.dtype:
+        return x
+    return _same_scale(x, _saturating_cast_st(x.data, name))
+
+
+@ops.custom_gradient
+def _cast_with_grad(x, ref):
+    """Saturating cast whose cotangent is cast back to `x`'s dtype."""
+    src = x.dtype
+    out = saturating_cast(x, standardize_dtype(ref.dtype))
+
+    def grad(*args, upstream=None, variables=None):
+        g = args[0] if upstream is None else upstream
+        return saturating_cast(g, standardize_dtype(src)), None
+
+    return out, grad
+
+
+def _saturating_cast_st(data, name):
+    ref = ops.zeros((), dtype=name)
+    return _cast_with_grad(data, ref)

@@ -1,0 +1,64 @@
+"""Shared test helpers. Every test runs under the KERAS_BACKEND in force
+(tests/run_all.sh runs the suite on jax, tensorflow and torch)."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import keras_scalify as ksc  # noqa: E402
+from keras_scalify import backend as kb  # noqa: E402
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def run(request):
+    """`run(fn, *args)`: call `fn` eagerly or compiled (jax.jit/tf.function)."""
+
+    def call(fn, *args):
+        f = kb.jit(fn) if request.param == "compiled" else fn
+        return f(*args)
+
+    call.mode = request.param
+    return call
+
+
+def to_np(x):
+    """A ScaledTensor or a tensor as a float64 NumPy array of its value."""
+    if ksc.is_scaled(x):
+        x = ksc.to_array(x)
+    return np.asarray(keras.ops.convert_to_numpy(x)).astype(np.float64)
+
+
+def scale_of(x):
+    return float(keras.ops.convert_to_numpy(x.scale))
+
+
+def grad_scale_of(x):
+    return float(keras.ops.convert_to_numpy(x.grad_scale))
+
+
+def data_of(x):
+    return np.asarray(
+        keras.ops.convert_to_numpy(keras.ops.cast(x.data, "float32"))
+    ).astype(np.float64)
+
+
+def assert_close(actual, expected, rtol=1e-6, atol_rel=1e-6):
+    """`rtol` elementwise, plus an absolute floor relative to max|expected|
+    (values that cancel to ~0 cannot meet a pure relative bound)."""
+    actual, expected = to_np(actual), to_np(expected)
+    floor = atol_rel * max(float(np.max(np.abs(expected), initial=0.0)), 1e-30)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=floor)
+
+
+def rms(x):
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.sqrt(np.mean(x * x)))

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the whole suite under KERAS_BACKEND=jax, tensorflow and torch.
+# Fails if any backend fails or if no test ran.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export TF_CPP_MIN_LOG_LEVEL=3
+status=0
+for backend in jax tensorflow torch; do
+  echo "=== KERAS_BACKEND=${backend} ==="
+  KERAS_BACKEND=${backend} python -m pytest -q "$@"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    # pytest exit code 5: no tests collected.
+    echo "=== ${backend}: pytest exited with ${rc} ==="
+    status=1
+  fi
+done
+exit $status
