@@ -2,6 +2,7 @@
 
 from keras_scalify import core
 from keras_scalify import debug
+from keras_scalify import layers
 from keras_scalify import ops
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled

@@ -89,8 +89,11 @@ def pow2_round_up(x):
         ops.equal(_bits(down), _bits(x32)),
         ops.equal(mant, 0),
     )
-    doubled = _from_bits(_double_bits(_bits(down)))
-    return ops.where(is_pow2, down, doubled)
+    is_special = ops.equal(exp, _EXP_MASK)
+    bits = ops.where(
+        ops.logical_or(is_pow2, is_special), _bits(down), _double_bits(_bits(down))
+    )
+    return _from_bits(bits)
 
 
 def _double_bits(b):
@@ -118,13 +121,13 @@ def pow2_decompose(x):
     sub_bits = _bits(ops.cast(ops.maximum(mant, 1), "float32"))
     frac = ops.where(ops.equal(exp, 0), ops.bitwise_and(sub_bits, _MANT_MASK), mant)
     m_bits = ops.bitwise_or(ops.bitwise_or(sign, _ONE_BITS), frac)
-    mantissa = _from_bits(m_bits)
     is_zero = ops.logical_and(ops.equal(exp, 0), ops.equal(mant, 0))
     is_special = ops.equal(exp, _EXP_MASK)
-    x32 = _from_bits(b)
-    mantissa = ops.where(is_zero, x32, mantissa)
-    mantissa = ops.where(is_special, x32, mantissa)
-    return pow2_round_down(x32), ops.cast(mantissa, x_in.dtype)
+    # Select on integer bits: XLA CPU may turn a float select into a float
+    # comparison that flushes subnormals.
+    m_bits = ops.where(ops.logical_or(is_zero, is_special), b, m_bits)
+    mantissa = _from_bits(m_bits)
+    return pow2_round_down(_from_bits(b)), ops.cast(mantissa, x_in.dtype)
 
 
 def np_pow2_round_down(x):

@@ -42,6 +42,14 @@ class ScaledTensor(
     """
 
     __slots__ = ()
+    # Let NumPy arrays and TF tensors on the left defer to our operators
+    # instead of converting the tuple into one array.
+    __array_ufunc__ = None
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        raise TypeError(
+            "A ScaledTensor is not a tf.Tensor: use keras_scalify.to_array."
+        )
 
     def __new__(cls, data, scale, grad_scale=None):
         if _is_tensor_like(data) or isinstance(data, (float, int)):

@@ -104,6 +104,13 @@ def static_pow2_sqrt(n):
     return pow2.np_pow2_round_down(math.sqrt(max(int(n), 1)))
 
 
+def static_dim(d):
+    """`d` as a Python int, or None when unknown or symbolic."""
+    if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+        return int(d)
+    return None
+
+
 def static_size(shape, axes, name="x"):
     n = 1
     for a in axes:

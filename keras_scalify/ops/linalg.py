@@ -23,13 +23,15 @@ from keras_scalify.ops._common import rescale
 from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import static_pow2_sqrt
 
 
 def _size(shape, name):
     """Static element count; 1 for unknown dims (they only enter the
     gradient-scale heuristic, never the forward scale)."""
-    return int(np.prod([1 if d is None else d for d in shape], dtype=np.int64))
+    dims = [static_dim(d) for d in shape]
+    return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
 
 
 def _contract(fn, operands, k, out_shape):
@@ -70,7 +72,7 @@ def _operands(x1, x2):
 
 
 def _static_k(x, name):
-    k = x.shape[-1] if len(x.shape) else 1
+    k = static_dim(x.shape[-1]) if len(x.shape) else 1
     if k is None:
         raise ValueError(
             f"`{name}` needs a static contracted dimension for its scale rule; "
@@ -105,7 +107,9 @@ def dot(x1, x2):
 def _spec(x):
     import keras
 
-    return keras.KerasTensor(tuple(x.shape), dtype=x.dtype)
+    return keras.KerasTensor(
+        tuple(static_dim(d) for d in x.shape), dtype=x.dtype
+    )
 
 
 def _parse_einsum(subscripts, shapes):
@@ -136,7 +140,7 @@ def _parse_einsum(subscripts, shapes):
     contracted = [c for c in counts if c not in out]
     k = 1
     for c in contracted:
-        if sizes[c] is None:
+        if static_dim(sizes[c]) is None:
             raise ValueError(
                 f"einsum needs a static size for contracted index {c!r}."
             )

@@ -9,18 +9,29 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import scalars
+from keras_scalify.core import pow2
 from keras_scalify.ops.math import pointwise
+from keras_scalify.ops.reduction import pow2_sqrt
+from keras_scalify.ops.reduction import reduced_count
 
 
 
 def softmax(x, axis=-1):
-    """Rule: `s = 1` (values in [0, 1]), `d = softmax(a·sa)`; `g = ga`."""
+    """Rule: `s = P(1/sqrt(n))`, `d = softmax(a·sa)/s`; `g = ga·P(sqrt(n))`.
+
+    n is the size of `axis`. Rows sum to 1, so the data lies in
+    [0, sqrt(n)] and its RMS in [1/sqrt(n), 1]: a uniform row and a one-hot
+    row are equally far from unit scale (the paper's scale 1 leaves uniform
+    rows at RMS 1/n). Backward, `p·(g - <p, g>)` shrinks gradients by about
+    sqrt(n) at near-uniform rows, hence the grad scale.
+    """
     check_input("x", x)
     if not is_scaled(x):
         return ops.softmax(x, axis=axis)
     _, ga = scalars(x)
+    r = pow2_sqrt(reduced_count(x.data, axis))
     one = ops.ones((), "float32")
-    return pointwise(x, lambda u: ops.softmax(u, axis=axis), one, ga)
+    return pointwise(x, lambda u: ops.softmax(u, axis=axis), one / r, ga * r)
 
 
 def log_softmax(x, axis=-1):
@@ -34,12 +45,18 @@ def log_softmax(x, axis=-1):
 
 
 def logsumexp(x, axis=None, keepdims=False):
-    """Rule: `s = max(sa, 1)` (≈ max(x) for large x, ≈ log n for small), `d = lse(a·sa)/s`; `g = ga`."""
+    """Rule: `s = max(sa, 1)` (≈ max(x) for large x, ≈ log n for small), `d = lse(a·sa)/s`; `g = ga·P(n)`.
+
+    The backward `softmax·g` spreads each gradient over the n reduced
+    elements.
+    """
     check_input("x", x)
     if not is_scaled(x):
         return ops.logsumexp(x, axis=axis, keepdims=keepdims)
     sa, ga = scalars(x)
     s = ops.maximum(sa, ops.ones((), "float32"))
+    n = reduced_count(x.data, axis)
+    ga = ga * (pow2.np_pow2_round_down(n) if isinstance(n, int) else pow2.pow2_round_down(n))
     return pointwise(
         x, lambda u: ops.logsumexp(u, axis=axis, keepdims=keepdims), s, ga
     )

@@ -12,6 +12,7 @@ from keras_scalify.ops._common import is_scaled
 from keras_scalify.ops._common import rescale
 from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import scalars
+from keras_scalify.ops._common import static_dim
 
 
 def _axes(x, axis):
@@ -26,7 +27,7 @@ def _axes(x, axis):
 def reduced_count(x, axis):
     """Number of reduced elements: a Python int when static, else a tensor."""
     axes = _axes(x, axis)
-    dims = [x.shape[a] for a in axes]
+    dims = [static_dim(x.shape[a]) for a in axes]
     if all(d is not None for d in dims):
         return int(np.prod(dims, dtype=np.int64))
     shape = ops.shape(x)

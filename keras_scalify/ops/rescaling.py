@@ -73,6 +73,30 @@ def dynamic_rescale_max(x):
     return dynamic_rescale(x, "max")
 
 
+# When the statistic cannot be measured (every value underflowed to 0, or
+# overflowed), move the grad scale by 2**12 and measure again next step, as
+# automatic loss scaling does: from grad scale 1, float16 gradients of 1e-8
+# are calibrated after two steps.
+RECOVERY_EXPONENT = 12
+
+
+def next_grad_scale(g, g_out, statistic):
+    """The grad scale for the next step from this step's cotangent `g`
+    (in `g_out` units): `P(g_out·stat(g))`; `g_out·2**-12` if every value is
+    0; `g_out·2**12` if the statistic is not finite."""
+    stat = data_statistic(g, statistic)
+    finite = ops.isfinite(stat)
+    e_out = pow2.pow2_exponent(g_out)
+    e_stat = pow2.pow2_exponent(ops.where(finite, stat, ops.ones_like(stat)))
+    e_new = ops.where(
+        ops.greater(stat, 0.0),
+        e_out + e_stat,
+        e_out - RECOVERY_EXPONENT,
+    )
+    e_new = ops.where(finite, e_new, e_out + RECOVERY_EXPONENT)
+    return pow2.pow2_from_exponent(e_new)
+
+
 def _delayed_fn(statistic):
     @ops.custom_gradient
     def fn(data, state, g_in, g_out):
@@ -81,13 +105,7 @@ def _delayed_fn(statistic):
             # Re-express the cotangent in the input's grad scale.
             factor = ops.where(ops.equal(g_in, 0), ops.zeros_like(g_in), g_out / g_in)
             g_data = _mul_pow2(g, factor)
-            # Next step's grad scale: this step's statistic, in true units.
-            stat = data_statistic(g, statistic)
-            ok = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
-            new = pow2.pow2_round_down(g_out * stat)
-            ok = ops.logical_and(ok, ops.logical_and(ops.isfinite(new), ops.greater(new, 0.0)))
-            new_state = ops.where(ok, new, state)
-            return g_data, new_state, None, None
+            return g_data, next_grad_scale(g, g_out, statistic), None, None
 
         return ops.multiply(data, ops.ones((), data.dtype)), grad
 
@@ -99,9 +117,9 @@ def delayed_rescale_grad(x, state, statistic="l2"):
     propagated `ga` while `state == 0`); scale and data unchanged.
 
     Backward: the cotangent is re-expressed in `ga` units (exact pow2), and
-    the "gradient" of `state` is the new grad scale `P(g·stat(cotangent))`
-    (unchanged when the statistic is 0 or not finite). `state` is a float32
-    scalar tensor read from an `overwrite_with_gradient` variable.
+    the "gradient" of `state` is the next grad scale (`next_grad_scale`).
+    `state` is a float32 scalar tensor read from an
+    `overwrite_with_gradient` variable.
     """
     if statistic not in STATISTICS:
         raise ValueError(

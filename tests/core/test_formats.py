@@ -1,0 +1,162 @@
+"""FORMATS table and saturating_cast (clip to ±max, then round to nearest
+even), eager and compiled, from float16/bfloat16/float32 inputs."""
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.core import FORMATS
+from keras_scalify.core import get_format
+from keras_scalify.core import saturating_cast
+
+INPUT_DTYPES = ["float16", "bfloat16", "float32"]
+
+
+def values_of(x):
+    """A (possibly FP8/bfloat16) tensor's values as float64 NumPy."""
+    x = keras.ops.cast(x, "float32")
+    return np.asarray(keras.ops.convert_to_numpy(x)).astype(np.float64)
+
+
+def tensor(values, dtype):
+    # float32 -> float16 turns 1e30 into inf on purpose.
+    with np.errstate(over="ignore"):
+        return keras.ops.cast(np.asarray(values, dtype=np.float32), dtype)
+
+
+def cast_fn(dtype):
+    def fn(x):
+        return saturating_cast(x, dtype)
+
+    return fn
+
+
+# --- FORMATS -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, np_dtype, max_, smallest_normal, smallest_subnormal",
+    [
+        ("float8_e4m3fn", ml_dtypes.float8_e4m3fn, 448.0, 2.0**-6, 2.0**-9),
+        ("float8_e5m2", ml_dtypes.float8_e5m2, 57344.0, 2.0**-14, 2.0**-16),
+        ("float16", np.float16, 65504.0, 2.0**-14, 2.0**-24),
+        ("bfloat16", ml_dtypes.bfloat16, (2 - 2.0**-7) * 2.0**127, 2.0**-126,
+         2.0**-133),
+        ("float32", np.float32, (2 - 2.0**-23) * 2.0**127, 2.0**-126,
+         2.0**-149),
+    ],
+)
+def test_formats_table(name, np_dtype, max_, smallest_normal,
+                       smallest_subnormal):
+    fmt = FORMATS[name]
+    info = ml_dtypes.finfo(np_dtype)
+    assert fmt.name == name
+    assert fmt.max == max_ == float(info.max)
+    assert (fmt.smallest_normal == smallest_normal
+            == float(info.smallest_normal))
+    assert (fmt.smallest_subnormal == smallest_subnormal
+            == float(info.smallest_subnormal))
+
+
+def test_get_format_accepts_names_and_rejects_others():
+    assert get_format("float8_e4m3fn").max == 448.0
+    assert get_format("float16") is FORMATS["float16"]
+    with pytest.raises(ValueError, match="int32"):
+        get_format("int32")
+
+
+# --- saturation --------------------------------------------------------------
+SATURATION_CASES = {
+    "float8_e4m3fn": (
+        [1e30, -1e30, np.inf, -np.inf, 1000.0, -1000.0, 448.0, 500.0, -500.0,
+         464.0],
+        [448.0, -448.0, 448.0, -448.0, 448.0, -448.0, 448.0, 448.0, -448.0,
+         448.0],
+    ),
+    "float8_e5m2": (
+        [1e30, -1e30, np.inf, -np.inf, 60000.0, -60000.0, 57344.0, 61440.0,
+         -61440.0],
+        [57344.0, -57344.0, 57344.0, -57344.0, 57344.0, -57344.0, 57344.0,
+         57344.0, -57344.0],
+    ),
+    "float16": (
+        [1e30, -1e30, np.inf, -np.inf, 70000.0, -70000.0, 65504.0, 65520.0],
+        [65504.0, -65504.0, 65504.0, -65504.0, 65504.0, -65504.0, 65504.0,
+         65504.0],
+    ),
+}
+
+
+@pytest.mark.parametrize("in_dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("dtype", sorted(SATURATION_CASES))
+def test_saturating_cast_clips_overflow_to_max(run, dtype, in_dtype):
+    values, expected = SATURATION_CASES[dtype]
+    out = run(cast_fn(dtype), tensor(values, in_dtype))
+    assert standardize_dtype(out.dtype) == dtype
+    got = values_of(out)
+    assert not np.any(np.isnan(got)), got
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("in_dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float16"])
+def test_saturating_cast_keeps_nan(run, dtype, in_dtype):
+    out = run(cast_fn(dtype), tensor([np.nan, 1.0, -np.nan], in_dtype))
+    got = values_of(out)
+    assert np.isnan(got[0]) and np.isnan(got[2]), got
+    assert got[1] == 1.0
+
+
+@pytest.mark.parametrize("in_dtype", INPUT_DTYPES)
+@pytest.mark.parametrize(
+    "dtype, values, expected",
+    [
+        # e4m3fn: spacing 2 in [16, 32): 17 is a tie -> even mantissa 16.
+        ("float8_e4m3fn", [17.0, 19.0, -17.0, 0.5 + 2.0**-5],
+         [16.0, 20.0, -16.0, 0.5]),
+        # e5m2: spacing 2 in [8, 16): 9 -> 8 and 11 -> 12 (ties to even).
+        ("float8_e5m2", [9.0, 11.0, -11.0, 13.0], [8.0, 12.0, -12.0, 12.0]),
+    ],
+)
+def test_saturating_cast_rounds_to_nearest_even(run, dtype, values, expected,
+                                                in_dtype):
+    out = run(cast_fn(dtype), tensor(values, in_dtype))
+    np.testing.assert_array_equal(values_of(out), expected)
+
+
+def test_saturating_cast_keeps_small_and_subnormal_values(run):
+    # e4m3fn subnormals are multiples of 2**-9; below half of it -> 0.
+    x = tensor([2.0**-9, 3 * 2.0**-9, -(2.0**-6), 2.0**-11, 1.5], "float32")
+    out = run(cast_fn("float8_e4m3fn"), x)
+    np.testing.assert_array_equal(
+        values_of(out), [2.0**-9, 3 * 2.0**-9, -(2.0**-6), 0.0, 1.5])
+
+
+def test_saturating_cast_from_fp8_to_narrower_fp8(run):
+    x = saturating_cast(tensor([57344.0, -1024.0, 3.0], "float32"),
+                        "float8_e5m2")
+    out = run(cast_fn("float8_e4m3fn"), x)
+    np.testing.assert_array_equal(values_of(out), [448.0, -448.0, 3.0])
+
+
+def test_plain_cast_does_not_saturate_e4m3fn_overflow():
+    # Why saturating_cast exists: a plain cast of 1000 to e4m3fn is NaN on
+    # JAX and TensorFlow (as in ml_dtypes); only torch saturates to 448.
+    got = values_of(keras.ops.cast(np.array([1000.0], np.float32),
+                                   "float8_e4m3fn"))[0]
+    assert np.isnan(np.float32(1000.0).astype(ml_dtypes.float8_e4m3fn))
+    if keras.backend.backend() == "torch":
+        assert got == 448.0
+    else:
+        assert np.isnan(got), got
+    saturated = values_of(saturating_cast(np.array([1000.0], np.float32),
+                                          "float8_e4m3fn"))[0]
+    assert saturated == 448.0
+
+
+def test_plain_cast_of_e5m2_overflow_is_inf_on_every_backend():
+    x = np.array([1e6, -1e6, 61440.0], np.float32)
+    got = values_of(keras.ops.cast(x, "float8_e5m2"))
+    np.testing.assert_array_equal(got, [np.inf, -np.inf, np.inf])
+    saturated = values_of(saturating_cast(x, "float8_e5m2"))
+    np.testing.assert_array_equal(saturated, [57344.0, -57344.0, 57344.0])
