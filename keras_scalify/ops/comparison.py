@@ -10,10 +10,24 @@ def _compare(fn, x1, x2):
 
     if not (is_scaled(x1) or is_scaled(x2)):
         return fn(x1, x2)
+    # Rescale in float32: a float16 operand far below the other's scale
+    # would underflow on the way to the common scale.
+    x1, x2 = _f32(x1), _f32(x2)
     (a, b), _, _, _ = _common_scale([x1, x2], ["x1", "x2"])
     a = ops.cast(a, "float32") if not isinstance(a, float) else a
     b = ops.cast(b, "float32") if not isinstance(b, float) else b
     return fn(a, b)
+
+
+def _f32(x):
+    from keras_scalify.core.scaled_tensor import ScaledTensor
+    from keras_scalify.core.scaled_tensor import is_scaled
+
+    if is_scaled(x):
+        return ScaledTensor(ops.cast(x.data, "float32"), x.scale, x.grad_scale)
+    if hasattr(x, "dtype"):
+        return ops.cast(x, "float32")
+    return x
 
 
 def equal(x1, x2):

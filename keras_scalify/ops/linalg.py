@@ -54,11 +54,24 @@ def _contract(fn, operands, k, out_shape):
         ns.append(n_i)
     g = pow2_mean(*preds)
     beta = np.float32(1.0 / static_pow2_sqrt(ns[0]))
+    # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
+    # product of correlated data cannot overflow before the rescale. Other
+    # dtypes rescale the float32-range output. Backward, the output
+    # cotangent is multiplied by beta (the GEMMs see unit-scale operands)
+    # and each input by the rest of its factor c_i/r.
+    prescale = any(x.dtype == "float16" for x in operands)
+    one = np.float32(1.0)
+    inv_r = np.float32(1.0 / r)
     datas = []
-    for (s_i, g_i), x in zip(sc, operands):
-        c = grad_factor(scale, g, s_i, g_i) / (r * beta)
-        datas.append(scale_grad(x.data, c))
-    out = rescale(fn(*datas), np.float32(1.0 / r), beta)
+    for i, ((s_i, g_i), x) in enumerate(zip(sc, operands)):
+        c = grad_factor(scale, g, s_i, g_i)
+        if prescale and i == 0:
+            datas.append(rescale(x.data, inv_r, c / (r * beta)))
+        elif prescale:
+            datas.append(scale_grad(x.data, c / beta))
+        else:
+            datas.append(scale_grad(x.data, c / (r * beta)))
+    out = rescale(fn(*datas), one if prescale else inv_r, beta)
     return ScaledTensor(out, scale, g)
 
 

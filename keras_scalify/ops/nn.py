@@ -71,7 +71,9 @@ def _normalize(x, axis, epsilon, center):
     a = ops.cast(x.data, "float32")
     # (X - E X)/sqrt(Var X + eps) == (a - E a)/sqrt(Var a + eps/sa²): exact,
     # so the model is unchanged (the paper's variant drops the 1/sa²).
-    eps_d = epsilon / ops.maximum(sa * sa, 1e-38)
+    # (eps/sa)/sa, not eps/(sa·sa): sa² underflows float32 below 2^-63.
+    inv = 1.0 / sa
+    eps_d = (epsilon * inv) * inv
     # Same operation order as keras.ops: pow2 scalings then commute exactly.
     if center:
         mean, var = ops.moments(a, axes=_axes(axis), keepdims=True)

@@ -44,6 +44,12 @@ def pow2_sqrt(n):
     return pow2.pow2_round_down(ops.sqrt(ops.maximum(n, 1.0)))
 
 
+def _f32(data):
+    """Reductions accumulate in float32: a float16 sum overflows before
+    its 1/P(sqrt(N)) rescale could bring it back."""
+    return ops.cast(data, "float32")
+
+
 def sum(x, axis=None, keepdims=False):
     """Rule: `s = sa·r`, `d = sum(a)/r`, `r = P(sqrt(N))`, N reduced elements; `g = ga`.
 
@@ -54,10 +60,10 @@ def sum(x, axis=None, keepdims=False):
         return ops.sum(x, axis=axis, keepdims=keepdims)
     sa, ga = scalars(x)
     r = pow2_sqrt(reduced_count(x.data, axis))
-    data = ops.sum(x.data, axis=axis, keepdims=keepdims)
+    data = ops.sum(_f32(x.data), axis=axis, keepdims=keepdims)
     # backward: the broadcast cotangent keeps its grad scale (c·f = 1).
     data = rescale(data, 1.0 / r, ops.ones((), "float32"))
-    return ScaledTensor(data, sa * r, ga)
+    return ScaledTensor(ops.cast(data, x.dtype), sa * r, ga)
 
 
 def mean(x, axis=None, keepdims=False):
@@ -75,9 +81,9 @@ def mean(x, axis=None, keepdims=False):
         p, m = (np.float32(v) for v in pow2.np_pow2_decompose(1.0 / n))
     else:
         p, m = pow2.pow2_decompose(1.0 / n)
-    data = ops.sum(x.data, axis=axis, keepdims=keepdims)
+    data = ops.sum(_f32(x.data), axis=axis, keepdims=keepdims)
     data = rescale(data, m / r, m)
-    return ScaledTensor(data, sa * r * p, safe_div(ga, p))
+    return ScaledTensor(ops.cast(data, x.dtype), sa * r * p, safe_div(ga, p))
 
 
 def max(x, axis=None, keepdims=False):

@@ -97,5 +97,5 @@ def _cast_with_grad(x, ref):
 
 
 def _saturating_cast_st(data, name):
-    ref = ops.zeros((), dtype=name)
+    ref = ops.cast(ops.zeros((), "float32"), name)
     return _cast_with_grad(data, ref)
