@@ -28,6 +28,8 @@ from keras_scalify.ops.comparison import less_equal
 from keras_scalify.ops.comparison import not_equal
 from keras_scalify.ops.linalg import dot
 from keras_scalify.ops.linalg import einsum
+from keras_scalify.ops.linalg import fp8_einsum
+from keras_scalify.ops.linalg import fp8_matmul
 from keras_scalify.ops.linalg import matmul
 from keras_scalify.ops.math import erf
 from keras_scalify.ops.math import exp

@@ -34,7 +34,7 @@ def _size(shape, name):
     return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
 
 
-def _contract(fn, operands, k, out_shape):
+def _contract(fn, operands, k, out_shape, prescale=None):
     """Apply `fn` to the data of `operands` with the contraction rule."""
     sc = [scalars(x) for x in operands]
     r = np.float32(static_pow2_sqrt(k))
@@ -59,7 +59,8 @@ def _contract(fn, operands, k, out_shape):
     # dtypes rescale the float32-range output. Backward, the output
     # cotangent is multiplied by beta (the GEMMs see unit-scale operands)
     # and each input by the rest of its factor c_i/r.
-    prescale = any(x.dtype == "float16" for x in operands)
+    if prescale is None:
+        prescale = any(x.dtype == "float16" for x in operands)
     one = np.float32(1.0)
     inv_r = np.float32(1.0 / r)
     datas = []
@@ -189,3 +190,46 @@ def einsum(subscripts, *operands):
         return ops.einsum(subscripts, *datas)
 
     return _contract(fn, xs, k, out_shape)
+
+
+def _matmul_equation(a_ndim, b_ndim):
+    if b_ndim != 2 or a_ndim < 1:
+        raise ValueError(
+            "`x2` of an FP8 matmul must be 2-D (a weight), and `x1` at least "
+            f"1-D; got ranks {a_ndim} and {b_ndim}. Use fp8_einsum."
+        )
+    letters = "abcdefgh"[: a_ndim - 1]
+    return f"{letters}k,kn->{letters}n"
+
+
+def fp8_einsum(subscripts, x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None):
+    """`einsum` with FP8 operands: the scale rule of `einsum`; the data is
+    cast (saturating) to `forward_dtype` for the GEMM, accumulated in
+    float32, and the output gradient is cast to `backward_dtype` for the two
+    backward GEMMs, all through `keras_scalify.backend.fp8` (route "auto",
+    "native" or "simulate"). Output data in `x1`'s dtype."""
+    from keras_scalify.backend import fp8
+
+    ab = _operands(x1, x2)
+    if ab is None:
+        ab = (promote(x1, None, "x1"), promote(x2, None, "x2"))
+    a, b = ab
+    k = _parse_einsum(subscripts, [a.shape, b.shape])
+    out_shape = ops.einsum(subscripts, _spec(a), _spec(b)).shape
+    out_dtype = a.dtype
+
+    def fn(da, db):
+        y = fp8.fp8_einsum(subscripts, da, db, forward_dtype, backward_dtype, route)
+        return y
+
+    y = _contract(fn, [a, b], k, out_shape, prescale=False)
+    return ScaledTensor(ops.cast(y.data, out_dtype), y.scale, y.grad_scale)
+
+
+def fp8_matmul(x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None):
+    """`matmul` of an activation by a 2-D weight with FP8 operands (see
+    `fp8_einsum`); the scale rule of `matmul`."""
+    x1s = x1 if is_scaled(x1) else promote(x1, None, "x1")
+    x2s = x2 if is_scaled(x2) else promote(x2, None, "x2")
+    eq = _matmul_equation(len(x1s.shape), len(x2s.shape))
+    return fp8_einsum(eq, x1s, x2s, forward_dtype, backward_dtype, route)

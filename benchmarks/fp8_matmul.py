@@ -1,0 +1,94 @@
+"""Throughput of the FP8 GEMM route vs bfloat16 and float32 matmuls.
+
+    KERAS_BACKEND=jax python benchmarks/fp8_matmul.py [--sizes 1024 4096 8192]
+
+Square GEMMs of each size, forward only, each timed after a warm-up call
+(compiled with jax.jit / tf.function on those backends). Prints the device
+and, per size, milliseconds and TFLOP/s for: float32 `keras.ops.matmul`,
+bfloat16 `keras.ops.matmul`, and `keras_scalify.backend.fp8.fp8_einsum` on
+the native and the simulated route (E4M3 operands, float32 accumulation).
+On a CPU the FP8 routes are emulated (XLA / torch upcast), so they are
+slower: FP8 speed needs FP8 hardware.
+"""
+
+import argparse
+import os
+import platform
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras import ops  # noqa: E402
+
+from keras_scalify import backend as kb  # noqa: E402
+from keras_scalify.backend import fp8  # noqa: E402
+
+
+def device_name():
+    b = keras.config.backend()
+    if b == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    if b == "jax":
+        import jax
+
+        d = jax.devices()[0]
+        if d.platform != "cpu":
+            return d.device_kind
+    if b == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _sync(x):
+    return ops.convert_to_numpy(ops.sum(ops.cast(x, "float32")))
+
+
+def time_fn(fn, *args, repeats=3):
+    _sync(fn(*args))  # warm-up / compile
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _sync(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="FP8 GEMM throughput")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(f"backend: {keras.config.backend()}  device: {device_name()}")
+    rng = np.random.default_rng(0)
+    print(f"{'size':>6} {'route':<28} {'ms':>10} {'TFLOP/s':>8} {'vs f32':>7}")
+    for n in args.sizes:
+        a = ops.convert_to_tensor(rng.standard_normal((n, n)).astype("float32"))
+        b = ops.convert_to_tensor(rng.standard_normal((n, n)).astype("float32"))
+        a16, b16 = ops.cast(a, "bfloat16"), ops.cast(b, "bfloat16")
+        flops = 2.0 * n**3
+        runs = [
+            ("float32 matmul", kb.jit(ops.matmul), a, b),
+            ("bfloat16 matmul", kb.jit(ops.matmul), a16, b16),
+        ]
+        for route in ("native", "simulate"):
+            name = fp8.resolve_route("ak,kn->an", (n, n), (n, n), route)
+            fn = kb.jit(lambda x, y, r=route: fp8.fp8_einsum("ak,kn->an", x, y, route=r))
+            runs.append((f"fp8 {name}", fn, a, b))
+        t32 = None
+        for label, fn, x, y in runs:
+            t = time_fn(fn, x, y, repeats=args.repeats)
+            t32 = t32 or t
+            print(f"{n:>6} {label:<28} {t * 1e3:>10.2f} {flops / t / 1e12:>8.3f} {t32 / t:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

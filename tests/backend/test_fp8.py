@@ -1,0 +1,218 @@
+"""FP8 GEMM dispatch: every route agrees with the simulation, and tests
+prove which route ran."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_scalify as ksc
+from keras_scalify import backend as kb
+from keras_scalify.backend import fp8
+from tests.conftest import to_np
+
+BACKEND = keras.config.backend()
+NATIVE = {
+    "jax": "jax-dot_general-fp8",
+    "tensorflow": "tensorflow-xla",
+    "torch": "torch-scaled_mm",
+}[BACKEND]
+
+
+def _loss_and_grads(route, x, w, up, einsum=None, compiled=False):
+    def loss(xd, wd):
+        xs, ws = ksc.as_scaled(xd), ksc.as_scaled(wd, 2.0**-4)
+        if einsum is None:
+            y = ksc.ops.fp8_matmul(xs, ws, route=route)
+        else:
+            y = ksc.ops.fp8_einsum(einsum, xs, ws, route=route)
+        return ops.sum(ksc.to_array(y) * ops.convert_to_tensor(up))
+
+    vg = kb.value_and_grad(loss)
+    if compiled:
+        vg = kb.jit(vg)
+    v, g = vg(ops.convert_to_tensor(x), ops.convert_to_tensor(w))
+    return [to_np(v)] + [to_np(t) for t in g]
+
+
+SHAPES = [((8, 32), (32, 48)), ((2, 4, 64), (64, 16)), ((5, 100), (100, 24))]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("x_shape,w_shape", SHAPES, ids=["2d", "3d", "K100_N24"])
+def test_native_route_matches_simulation(x_shape, w_shape, compiled, rng):
+    x = rng.standard_normal(x_shape).astype("float32")
+    w = rng.standard_normal(w_shape).astype("float32")
+    up = rng.standard_normal(x_shape[:-1] + w_shape[-1:]).astype("float32")
+    sim = _loss_and_grads("simulate", x, w, up, compiled=compiled)
+    nat = _loss_and_grads("native", x, w, up, compiled=compiled)
+    assert fp8.last_fp8_route() == NATIVE
+    for a, b in zip(nat, sim):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.max(np.abs(b)))
+
+
+def test_einsum_route_matches_simulation(rng):
+    x = rng.standard_normal((2, 8, 16)).astype("float32")
+    w = rng.standard_normal((16, 4, 8)).astype("float32")
+    up = rng.standard_normal((2, 8, 4, 8)).astype("float32")
+    sim = _loss_and_grads("simulate", x, w, up, einsum="abc,cde->abde")
+    nat = _loss_and_grads("native", x, w, up, einsum="abc,cde->abde")
+    for a, b in zip(nat, sim):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.max(np.abs(b)))
+
+
+def test_simulation_quantizes_forward_e4m3_and_backward_e5m2(rng):
+    """The simulated route is the reference: its forward is exactly the
+    float32 product of E4M3-rounded operands (and it differs from the
+    unquantized product)."""
+    x = rng.standard_normal((8, 32)).astype("float32")
+    w = rng.standard_normal((32, 16)).astype("float32")
+    def q(t):
+        t8 = ksc.core.saturating_cast(ops.convert_to_tensor(t), "float8_e4m3fn")
+        return to_np(ops.cast(t8, "float32"))
+
+    y = to_np(ksc.to_array(ksc.ops.fp8_matmul(ksc.as_scaled(x), ksc.as_scaled(w), route="simulate")))
+    np.testing.assert_allclose(y, q(x) @ q(w), rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(y - x @ w)) > 1e-3
+
+
+@pytest.mark.parametrize("route", ["simulate", "native"])
+def test_overflowing_inputs_stay_finite(route, rng):
+    x = rng.standard_normal((8, 32)).astype("float32")
+    x[0, :5] = 1e30
+    x[1, :5] = -1e30
+    w = rng.standard_normal((32, 16)).astype("float32")
+    up = (rng.standard_normal((8, 16)) * 1e30).astype("float32")
+    for t in _loss_and_grads(route, x, w, up):
+        assert np.all(np.isfinite(t))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch route only")
+def test_torch_scaled_mm_is_called_for_all_three_gemms(monkeypatch, rng):
+    import torch
+
+    calls = []
+    original = torch._scaled_mm
+
+    def counting(a, b, *args, **kwargs):
+        calls.append((a.dtype, b.dtype, b.stride()))
+        return original(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    x = rng.standard_normal((8, 32)).astype("float32")
+    w = rng.standard_normal((32, 16)).astype("float32")
+    up = rng.standard_normal((8, 16)).astype("float32")
+    _loss_and_grads("native", x, w, up)
+    assert len(calls) == 3
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    assert calls[0][:2] == (e4, e4)  # forward
+    assert sorted(str(c[:2]) for c in calls[1:]) == sorted(str(p) for p in [(e5, e4), (e4, e5)])
+    # Second operand column-major (stride of dim 0 is 1) for cuBLASLt.
+    assert all(c[2][0] == 1 for c in calls)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch route only")
+def test_torch_route_falls_back_when_cuda_shape_is_unsupported(monkeypatch):
+    """Route selection under CUDA rules (checked on CPU by faking the device)."""
+    import torch
+    import keras.src.backend.torch.core as tcore
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tcore, "get_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    eq = "ak,kn->an"
+    assert fp8.resolve_route(eq, (8, 64), (64, 32)) == "torch-scaled_mm"
+    assert fp8.resolve_route(eq, (8, 100), (100, 24)) == "simulate"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert fp8.resolve_route(eq, (8, 64), (64, 32)) == "simulate"
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax route only")
+def test_jax_compiled_dot_takes_fp8_operands(rng):
+    import jax
+
+    x = ops.convert_to_tensor(rng.standard_normal((8, 32)).astype("float32"))
+    w = ops.convert_to_tensor(rng.standard_normal((32, 16)).astype("float32"))
+
+    def f(x, w):
+        return ksc.to_array(ksc.ops.fp8_matmul(ksc.as_scaled(x), ksc.as_scaled(w), route="native"))
+
+    text = jax.jit(f).lower(x, w).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots and all("f8E4M3FN" in line for line in dots), dots
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tensorflow route only")
+def test_tensorflow_route_is_compiled_with_xla(rng):
+    x = ops.convert_to_tensor(rng.standard_normal((8, 32)).astype("float32"))
+    w = ops.convert_to_tensor(rng.standard_normal((32, 16)).astype("float32"))
+    ksc.ops.fp8_matmul(ksc.as_scaled(x), ksc.as_scaled(w), route="native")
+    fn = fp8.tf_xla_function("ak,kn->an")
+    assert fn is not None
+    a8 = ksc.core.saturating_cast(x, "float8_e4m3fn")
+    b8 = ksc.core.saturating_cast(w, "float8_e4m3fn")
+    hlo = fn.experimental_get_compiler_ir(a8, b8)(stage="hlo")
+    assert "f8e4m3fn" in hlo.lower() and "dot" in hlo
+
+
+def test_route_setting_and_bad_route():
+    assert fp8.get_fp8_route() == "auto"
+    with fp8.fp8_route("simulate"):
+        assert fp8.resolve_route("ak,kn->an", (2, 16), (16, 16)) == "simulate"
+    assert fp8.get_fp8_route() == "auto"
+    with pytest.raises(ValueError, match="route"):
+        fp8.set_fp8_route("fastest")
+
+
+def test_unsupported_einsum_is_a_clear_error(rng):
+    x = ksc.as_scaled(rng.standard_normal((4, 8)).astype("float32"))
+    w = ksc.as_scaled(rng.standard_normal((8, 3)).astype("float32"))
+    with pytest.raises(ValueError, match="FP8"):
+        ksc.ops.fp8_einsum("ab,bc->c", x, w)
+
+
+def test_fp8_matmul_needs_a_2d_weight(rng):
+    x = ksc.as_scaled(rng.standard_normal((2, 4, 8)).astype("float32"))
+    with pytest.raises(ValueError, match="x2"):
+        ksc.ops.fp8_matmul(x, x)
+
+
+def test_layer_reports_its_route(rng):
+    layer = ksc.layers.ScaledDense(16, dtype="scaled_fp8")
+    x = rng.standard_normal((4, 32)).astype("float32")
+    layer(x)
+    assert layer.fp8_route == NATIVE
+    with fp8.fp8_route("simulate"):
+        layer(x)
+    assert layer.fp8_route == "simulate"
+    plain = ksc.layers.ScaledDense(16)
+    plain(x)
+    assert plain.fp8_route is None
+
+
+def _has_gpu():
+    if BACKEND == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    if BACKEND == "jax":
+        import jax
+
+        return any(d.platform == "gpu" for d in jax.devices())
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="needs a GPU with FP8 GEMMs (CI has none)")
+def test_gpu_fp8_routes(rng):
+    """On a GPU: the native route is chosen, E5M2 × E4M3 backward GEMMs run,
+    layouts are accepted, and the results match the simulation."""
+    for x_shape, w_shape in [((64, 128), (128, 256)), ((64, 100), (100, 24))]:
+        x = rng.standard_normal(x_shape).astype("float32")
+        w = rng.standard_normal(w_shape).astype("float32")
+        up = rng.standard_normal(x_shape[:-1] + w_shape[-1:]).astype("float32")
+        sim = _loss_and_grads("simulate", x, w, up)
+        nat = _loss_and_grads("native", x, w, up)
+        for a, b in zip(nat, sim):
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.max(np.abs(b)))
