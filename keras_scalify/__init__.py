@@ -4,9 +4,15 @@ from keras_scalify import core
 from keras_scalify import debug
 from keras_scalify import layers
 from keras_scalify import ops
+from keras_scalify import policies
 from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.layers.variable import ScaledVariable
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops.boundary import as_scaled
 from keras_scalify.ops.boundary import to_array
+from keras_scalify.policies import ScaledDTypePolicy
+from keras_scalify.policies import install_policy_hook
+from keras_scalify.policies import set_dtype_policy
+from keras_scalify.policies import uninstall_policy_hook
 
 __version__ = "0.1.0"
