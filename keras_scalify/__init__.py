@@ -5,6 +5,8 @@ from keras_scalify import debug
 from keras_scalify import layers
 from keras_scalify import ops
 from keras_scalify import policies
+from keras_scalify.convert import scalify
+from keras_scalify.convert import unscalify
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.layers.variable import ScaledVariable
 from keras_scalify.core.scaled_tensor import is_scaled

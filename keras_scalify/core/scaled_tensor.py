@@ -46,10 +46,11 @@ class ScaledTensor(
     # instead of converting the tuple into one array.
     __array_ufunc__ = None
 
+    # A ScaledTensor reaching a plain TF op is refused with a message naming
+    # the boundary. (No `__jax_array__`: JAX arrays on the left of an
+    # operator would convert through it instead of deferring to `__radd__`.)
     def __tf_tensor__(self, dtype=None, name=None):
-        raise TypeError(
-            "A ScaledTensor is not a tf.Tensor: use keras_scalify.to_array."
-        )
+        raise TypeError("A ScaledTensor is not a tf.Tensor. " + _PLAIN_OP_HINT)
 
     def __new__(cls, data, scale, grad_scale=None):
         if _is_tensor_like(data) or isinstance(data, (float, int)):
@@ -129,6 +130,13 @@ class ScaledTensor(
 
     def __pow__(self, other):
         return _ops().power(self, other)
+
+
+_PLAIN_OP_HINT = (
+    "Use the scaled op from `keras_scalify.ops`, or convert it to its "
+    "represented values first with `keras_scalify.to_array(x)` (in a model: "
+    "a `keras_scalify.layers.ToArray()` layer)."
+)
 
 
 def _ops():

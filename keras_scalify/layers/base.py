@@ -1,18 +1,272 @@
 """Shared base of the scaled layers."""
 
 import keras
+import numpy as np
+
+from keras_scalify.layers.variable import ScaledVariable
+
+_DEFAULTS = {
+    "compute_dtype": None,
+    "matmul_dtype": None,
+    "grad_dtype": None,
+    "master_dtype": "float32",
+}
 
 
 class ScaledLayer(keras.layers.Layer):
     """A layer that takes and returns ScaledTensors.
 
-    Keras's input autocasting is turned off: it would cast the float32
-    scale and grad scale of a ScaledTensor to the compute dtype.
+    - Keras's input autocasting is turned off: it would cast the float32
+      scale and grad scale of a ScaledTensor to the compute dtype.
+    - `add_scaled_weight` creates a `ScaledVariable` in the policy's master
+      dtype; `get_weights`/`set_weights` work on represented values, in the
+      order of the Keras counterpart (delayed-rescaling states, which are
+      bookkeeping, are left out; `.keras` files keep every variable).
+    - `policy_dtype(field)` reads the scaled policy's fields (matmul, grad,
+      master, compute dtypes); a plain Keras policy means no low-precision
+      casts and float32 master weights.
     """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._convert_input_args = False
+        self._allow_non_tensor_positional_args = True
+        self._scaled_weights = []
+
+    def __call__(self, *args, **kwargs):
+        # Input autocasting is off (see above), so NumPy inputs are turned
+        # into tensors here: Keras builds layers from tensor shapes only.
+        if args and isinstance(args[0], np.ndarray):
+            x = np.asarray(args[0])
+            if x.dtype == np.float64:
+                x = x.astype(np.float32)
+            args = (keras.ops.convert_to_tensor(x),) + args[1:]
+        args = tuple(_repack_scaled(a) for a in args)
+        kwargs = {k: _repack_scaled(v) for k, v in kwargs.items()}
+        return super().__call__(*args, **kwargs)
+
+    @property
+    def fp8_route(self):
+        """The FP8 GEMM route this layer's last call took (None if it ran
+        no FP8 GEMM): see `keras_scalify.backend.fp8`."""
+        return getattr(self, "_fp8_route", None)
+
+    def policy_dtype(self, field):
+        value = getattr(self.dtype_policy, field, None)
+        if value is None:
+            value = _DEFAULTS[field]
+        if value is None:
+            value = self.compute_dtype
+        return value
+
+    def add_scaled_weight(self, name, shape, initializer, trainable=True):
+        sv = ScaledVariable(
+            self, name, shape, initializer, self.policy_dtype("master_dtype"), trainable
+        )
+        self._scaled_weights.append(sv)
+        return sv
+
+    @property
+    def scaled_weights(self):
+        return list(self._scaled_weights)
+
+    def _weight_groups(self):
+        """Each weight once: a ScaledVariable for its three parts."""
+        owner, skip = {}, set()
+        for layer in self._flatten_layers(include_self=True, recursive=True):
+            for sv in getattr(layer, "_scaled_weights", []):
+                for v in sv.variables:
+                    owner[id(v)] = sv
+            state = getattr(layer, "grad_scale_state", None)
+            if state is not None:
+                skip.add(id(state))
+        seen, out = set(), []
+        for v in self.weights:
+            if id(v) in skip:
+                continue
+            item = owner.get(id(v), v)
+            if id(item) not in seen:
+                seen.add(id(item))
+                out.append(item)
+        return out
+
+    def get_weights(self):
+        """Represented float32 values of scaled weights, then plain weights."""
+        return [np.asarray(keras.ops.convert_to_numpy(w.value)) if isinstance(w, ScaledVariable) else w.numpy() for w in self._weight_groups()]
+
+    def set_weights(self, weights):
+        groups = self._weight_groups()
+        if len(weights) != len(groups):
+            raise ValueError(
+                f"`weights` must have {len(groups)} arrays for layer "
+                f"{self.name!r}, got {len(weights)}."
+            )
+        for item, value in zip(groups, weights):
+            item.assign(value)
+
+
+    def get_build_config(self):
+        """Keras's build config with plain shapes: a ScaledTensor input
+        records `ScaledTensor(shape, (), ())`, which neither JSON nor
+        `build_from_config` (used when a `.keras` file is loaded) can read;
+        its data shape is kept."""
+        config = super().get_build_config()
+        return None if config is None else plain_shapes(config)
+
+
+def _repack_scaled(x):
+    """Rebuilds ScaledTensor arguments flattened by a saved model's config.
+
+    A Functional model's config stores each call's arguments as JSON, where
+    a ScaledTensor (a named tuple) becomes a list of its three symbolic
+    tensors, and a mask Keras filled as ScaledTensor(None, None, None)
+    becomes [None, None, None]. When `load_model` replays the calls, such
+    lists (symbolic: data, then two float32 scalars) are packed back into a
+    ScaledTensor, and [None, None, None] into None. Eager values are never
+    touched.
+    """
+    from keras_scalify.core.scaled_tensor import ScaledTensor
+    from keras_scalify.core.scaled_tensor import is_scaled
+
+    if is_scaled(x):
+        return x
+    if isinstance(x, dict):
+        return {k: _repack_scaled(v) for k, v in x.items()}
+    if not isinstance(x, (list, tuple)) or hasattr(x, "_fields"):
+        return x
+    if len(x) == 3:
+        if all(v is None for v in x):
+            return None
+        if _flattened_scaled(x):
+            return ScaledTensor(*x)
+    out = [_repack_scaled(v) for v in x]
+    return out if isinstance(x, list) else tuple(out)
+
+
+def _flattened_scaled(x):
+    if not all(isinstance(v, keras.KerasTensor) for v in x):
+        return False
+    data, scale, grad_scale = x
+    std = keras.backend.standardize_dtype
+    return (
+        "float" in std(data.dtype)
+        and all(tuple(v.shape) == () and std(v.dtype) == "float32" for v in (scale, grad_scale))
+    )
+
+
+def cast_to_compute(layer, inputs):
+    """`inputs` as a ScaledTensor (a plain tensor: scale 1) in `layer`'s
+    compute dtype: what Keras's input autocasting does for plain layers,
+    done on the data only (the scale stays float32)."""
+    from keras_scalify import ops as sops
+    from keras_scalify.ops.boundary import as_scaled
+
+    return sops.cast(as_scaled(inputs), layer.compute_dtype)
+
+
+def plain_shapes(structure):
+    """`structure` with every ScaledTensor of shapes replaced by its data
+    shape (a tuple); lists, tuples and dicts are walked."""
+    from keras_scalify.core.scaled_tensor import is_scaled
+
+    if is_scaled(structure):
+        return plain_shapes(structure.data)
+    if isinstance(structure, dict):
+        return {k: plain_shapes(v) for k, v in structure.items()}
+    if isinstance(structure, (list, tuple)):
+        if all(d is None or isinstance(d, (int, np.integer)) for d in structure):
+            return tuple(None if d is None else int(d) for d in structure)
+        out = [plain_shapes(v) for v in structure]
+        return out if isinstance(structure, list) else tuple(out)
+    return structure
+
+
+# --- conversion helpers shared by `from_keras` / `to_keras` ----------------
+
+
+def check_keras_layer(layer, keras_cls, scaled_cls):
+    """Raise a TypeError unless `layer` is a `keras_cls` instance."""
+    if not isinstance(layer, keras_cls):
+        raise TypeError(
+            f"`layer` of {scaled_cls.__name__}.from_keras must be a "
+            f"keras.layers.{keras_cls.__name__}, got {type(layer).__name__}."
+        )
+
+
+def reject_options(layer, scaled_cls, names):
+    """Raise a ValueError naming the first Keras option of `layer` that the
+    scaled layer does not support (regularizers, constraints, LoRA,
+    quantization): each of `names` must be None/False/0 on `layer`."""
+    for name in names:
+        value = getattr(layer, name, None)
+        if value:
+            raise ValueError(
+                f"`{name}` of layer {layer.name!r} is not supported by "
+                f"{scaled_cls.__name__} (got {value!r}): it must be "
+                f"None or False. Remove it before converting."
+            )
+    mode = getattr(layer, "quantization_mode", None)
+    if mode is not None:
+        raise ValueError(
+            f"`quantization_mode` of layer {layer.name!r} is {mode!r}: "
+            f"{scaled_cls.__name__} converts float layers only."
+        )
+    if getattr(layer, "lora_enabled", False):
+        raise ValueError(
+            f"`lora_rank` of layer {layer.name!r}: LoRA is enabled, which "
+            f"{scaled_cls.__name__} does not support; merge it first."
+        )
+
+
+def keras_base_kwargs(layer, overrides):
+    """name, dtype policy and trainable of `layer`, then `overrides`."""
+    kwargs = {
+        "name": layer.name,
+        "dtype": layer.dtype_policy,
+        "trainable": layer.trainable,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def plain_dtype(policy):
+    """The dtype policy of a plain Keras copy of a scaled layer: a scaled
+    policy becomes "float32" (the represented weights' dtype, readable
+    without keras_scalify); a plain Keras policy is kept."""
+    from keras_scalify.policies import ScaledDTypePolicy
+
+    if isinstance(policy, ScaledDTypePolicy):
+        return "float32"
+    return policy
+
+
+def scaled_base_kwargs(layer, overrides):
+    """name, plain dtype policy and trainable of scaled `layer`, then
+    `overrides` (for `to_keras`)."""
+    kwargs = {
+        "name": layer.name,
+        "dtype": plain_dtype(layer.dtype_policy),
+        "trainable": layer.trainable,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def copy_built_weights(source, target):
+    """Build `target` on the input shapes `source` was built on and give it
+    `source`'s weights (represented float32 values); no-op if `source` is
+    not built. Both layers list their weights in the same order."""
+    if not source.built:
+        return target
+    config = source.get_build_config()
+    if config:
+        target.build_from_config(plain_shapes(config))
+    elif not target.built:
+        target.build(None)
+    weights = source.get_weights()
+    if weights or target.weights:
+        target.set_weights(weights)
+    return target
 
 
 def spec_like(x):

@@ -79,3 +79,73 @@ class ToArray(ScaledLayer):
         config = super().get_config()
         config.update({"dtype_out": self.dtype_out})
         return config
+
+
+# --- a clear error when a built-in Keras layer receives a ScaledTensor ------
+#
+# A ScaledTensor is a named tuple, so Keras's `Layer.__call__` flattens it
+# into three tensors before any method of ours runs: a plain `Dense` then
+# fails with "expects 1 input(s), but it received 3 input tensors", a
+# `LayerNormalization` with "Cannot convert '((),)' to a shape", and an
+# `Activation` somewhere inside the backend. Keras checks the first
+# positional argument of every call with `Layer._assert_input_compatibility`
+# before building or calling the layer; the guard below wraps that method
+# and raises a TypeError naming `ToArray` when a built-in Keras layer (not a
+# ScaledLayer, a `Lambda`, which may compute with `keras_scalify.ops`, or a
+# model) receives a ScaledTensor. Custom layers are left alone: they may
+# handle ScaledTensors themselves.
+
+_GUARD_SKIP = ("Lambda", "InputLayer")
+
+
+def _contains_scaled(x):
+    if is_scaled(x):
+        return True
+    if isinstance(x, dict):
+        return any(_contains_scaled(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_contains_scaled(v) for v in x)
+    return False
+
+
+def plain_layer_error(layer):
+    """The TypeError raised when plain Keras `layer` receives a ScaledTensor."""
+    return TypeError(
+        f"Layer {layer.name!r} ({type(layer).__name__}) is a plain Keras "
+        f"layer and received a ScaledTensor. Insert a "
+        f"`keras_scalify.layers.ToArray()` layer before it to pass it the "
+        f"represented values, use its scaled counterpart from "
+        f"`keras_scalify.layers`, or convert the whole model with "
+        f"`keras_scalify.scalify(model)`, which inserts the boundaries."
+    )
+
+
+def _is_guarded(layer):
+    if isinstance(layer, (ScaledLayer, keras.Model)):
+        return False
+    cls = type(layer)
+    if not cls.__module__.startswith("keras."):
+        return False
+    return cls.__name__ not in _GUARD_SKIP
+
+
+def install_plain_layer_guard():
+    """Wrap `keras.layers.Layer._assert_input_compatibility` (once) so that a
+    built-in Keras layer called on a ScaledTensor raises `plain_layer_error`.
+    Valid calls are unaffected: the wrapper only adds a check."""
+    layer_cls = keras.layers.Layer
+    original = getattr(layer_cls, "_assert_input_compatibility", None)
+    if original is None or getattr(original, "_keras_scalify_guard", False):
+        return
+
+    def _assert_input_compatibility(self, arg_0):
+        if _contains_scaled(arg_0) and _is_guarded(self):
+            raise plain_layer_error(self)
+        return original(self, arg_0)
+
+    _assert_input_compatibility._keras_scalify_guard = True
+    _assert_input_compatibility.__wrapped__ = original
+    layer_cls._assert_input_compatibility = _assert_input_compatibility
+
+
+install_plain_layer_guard()

@@ -3,6 +3,7 @@
 import keras
 
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.variable import read_tensor
 from keras_scalify.layers.base import spec_like
 from keras_scalify.ops.rescaling import STATISTICS
 from keras_scalify.ops.rescaling import delayed_rescale_grad
@@ -41,7 +42,7 @@ class DynamicRescaleGrad(ScaledLayer):
         )
 
     def call(self, inputs):
-        state = keras.ops.convert_to_tensor(self.grad_scale_state)
+        state = read_tensor(self.grad_scale_state)
         return delayed_rescale_grad(inputs, state, self.statistic)
 
     def compute_output_spec(self, inputs):

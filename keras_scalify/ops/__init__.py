@@ -61,6 +61,7 @@ from keras_scalify.ops.shape import transpose
 from keras_scalify.ops.casting import cast_on_backward
 from keras_scalify.ops.casting import cast_on_forward
 from keras_scalify.ops.rescaling import delayed_rescale_grad
+from keras_scalify.ops.rescaling import rebalance
 from keras_scalify.ops.rescaling import dynamic_rescale
 from keras_scalify.ops.rescaling import dynamic_rescale_l1
 from keras_scalify.ops.rescaling import dynamic_rescale_l1_grad

@@ -97,6 +97,18 @@ def next_grad_scale(g, g_out, statistic):
     return pow2.pow2_from_exponent(e_new)
 
 
+def rebalance(x, factor):
+    """Rule: `s = sa/factor`, `d = a·factor` for a static power of two
+    `factor`; grad scale unchanged. Exact (paper Alg. 4's `rebalance`)."""
+    x = promote(x, None, "x")
+    f = float(factor)
+    if not (f > 0 and pow2.np_pow2_round_down(f) == f):
+        raise ValueError(f"`factor` must be a positive power of two, got {factor!r}.")
+    one = ops.ones((), "float32")
+    data = rescale(x.data, f, one)
+    return ScaledTensor(data, stop(x.scale) / f, x.grad_scale)
+
+
 def _delayed_fn(statistic):
     @ops.custom_gradient
     def fn(data, state, g_in, g_out):

@@ -1,0 +1,558 @@
+"""Model conversion: `scalify` (Keras → scaled) and `unscalify` (back).
+
+`scalify(model)` returns a new model in which the Keras layers that have a
+scaled counterpart (Dense, EinsumDense, LayerNormalization,
+RMSNormalization, Embedding, Activation, Add, Dropout, MultiHeadAttention)
+are replaced by it, holding the same (represented) weights. ScaledTensors
+flow between scaled layers; boundaries are inserted where needed:
+
+- `AsScaled` where a plain floating tensor (a model input, the output of an
+  unconverted layer) enters a converted layer;
+- `ToArray` before every unconverted layer that would receive a
+  ScaledTensor, and on every model output.
+
+Unconverted layers are cloned with their weights, so the new model shares
+no variable with the original. `unscalify(model)` does the opposite: every
+scaled layer becomes its Keras counterpart with the represented float32
+weights, boundary layers (`AsScaled`, `ToArray`) and `DynamicRescaleGrad`
+(identity forward) are removed, so the result loads without keras_scalify.
+
+Both walk the model's graph themselves instead of using
+`keras.models.clone_model`: Keras records a layer's outputs as a flat list
+of tensors, so a ScaledTensor (a named tuple) returned for a single plain
+output would be cut to its `data` by `clone_model`'s bookkeeping.
+"""
+
+import keras
+from keras import tree
+
+from keras_scalify.core.scaled_tensor import is_scaled
+
+# Keras class name -> scaled class name in `keras_scalify.layers`. Classes
+# are matched exactly (a subclass of Dense may change `call`).
+_SCALED_NAMES = {
+    "Dense": "ScaledDense",
+    "EinsumDense": "ScaledEinsumDense",
+    "LayerNormalization": "ScaledLayerNormalization",
+    "RMSNormalization": "ScaledRMSNormalization",
+    "Embedding": "ScaledEmbedding",
+    "Activation": "ScaledActivation",
+    "Add": "ScaledAdd",
+    "Dropout": "ScaledDropout",
+    "MultiHeadAttention": "ScaledMultiHeadAttention",
+}
+
+
+def _keras_class(name):
+    return getattr(keras.layers, name)
+
+
+def _scaled_class(keras_name, layer):
+    """The scaled class for `layer`, imported lazily (EinsumDense and
+    MultiHeadAttention live in optional modules)."""
+    import keras_scalify.layers as scaled_layers
+
+    name = _SCALED_NAMES[keras_name]
+    cls = getattr(scaled_layers, name, None)
+    if cls is None or not hasattr(cls, "from_keras"):
+        raise ValueError(
+            f"Layer {layer.name!r} ({keras_name}) cannot be converted: "
+            f"`keras_scalify.layers.{name}` (with `from_keras`) is not "
+            f"available in this installation. Pass "
+            f"`exclude=[{layer.name!r}]` to `scalify` to keep it as a plain "
+            f"Keras layer."
+        )
+    return cls
+
+
+def _convertible_name(layer):
+    for keras_name in _SCALED_NAMES:
+        if type(layer) is _keras_class(keras_name):
+            return keras_name
+    return None
+
+
+# --- graph walking -----------------------------------------------------------
+
+
+def _is_symbolic_scaled(x):
+    return is_scaled(x) and isinstance(x.data, keras.KerasTensor)
+
+
+def _scaled_units(model):
+    """`{id(data): (id(scale), id(grad_scale))}` for every ScaledTensor of
+    KerasTensors that the model's layers receive or the model returns."""
+    units = {}
+
+    def scan(x):
+        if _is_symbolic_scaled(x):
+            units[id(x.data)] = (id(x.scale), id(x.grad_scale))
+        elif isinstance(x, dict):
+            for v in x.values():
+                scan(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                scan(v)
+
+    for nodes in model._nodes_by_depth.values():
+        for node in nodes:
+            scan(node.arguments.args)
+            scan(node.arguments.kwargs)
+    scan(model._outputs_struct)
+    return units
+
+
+def _group_outputs(leaves, units):
+    """Groups a node's flat output tensors into units: a ScaledTensor's
+    three leaves (data first) or a single tensor. Returns `[(id, n)]`."""
+    out, i = [], 0
+    while i < len(leaves):
+        key = id(leaves[i])
+        if key in units and i + 2 < len(leaves) and units[key] == (
+            id(leaves[i + 1]),
+            id(leaves[i + 2]),
+        ):
+            out.append((key, 3))
+            i += 3
+        else:
+            out.append((key, 1))
+            i += 1
+    return out
+
+
+def _unit_leaves(x):
+    """Flattens `x` with ScaledTensors kept whole."""
+    if is_scaled(x):
+        return [x]
+    if isinstance(x, dict):
+        return [u for k in sorted(x) for u in _unit_leaves(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [u for v in x for u in _unit_leaves(v)]
+    return [x]
+
+
+def _map_structure(fn, x):
+    """Applies `fn` to every ScaledTensor and tensor of `x` (ScaledTensors
+    whole), rebuilding lists, tuples, named tuples and dicts."""
+    if is_scaled(x):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_structure(fn, v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*[_map_structure(fn, v) for v in x])
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_structure(fn, v) for v in x)
+    return fn(x)
+
+
+class _Walker:
+    """Rebuilds a Functional model, one node at a time.
+
+    `values` maps the id of an original tensor (of a ScaledTensor's data
+    for a scaled unit) to its new value, a tensor or a ScaledTensor.
+    `step(layer, args, kwargs)` returns the new outputs of one node.
+    """
+
+    def __init__(self, step):
+        self.step = step
+        # ids of the scale / grad-scale tensors of scaled units already
+        # computed (the unit itself is stored under its data's id).
+        self.covered = set()
+
+    def fill(self, structure, values, to_plain=None):
+        """`structure` with the original tensors replaced by new values.
+        With `to_plain`, a new ScaledTensor standing for an originally
+        plain tensor is passed through it (for unconverted consumers);
+        arguments that were ScaledTensors already stay scaled."""
+
+        def lookup(x):
+            if is_scaled(x) and all(v is None for v in x):
+                # Keras fills `<arg>_mask` kwargs by mapping `get_keras_mask`
+                # over each tensor argument: for a ScaledTensor argument the
+                # node records ScaledTensor(None, None, None), i.e. no mask.
+                return None
+            if _is_symbolic_scaled(x):
+                return values[id(x.data)]
+            if isinstance(x, keras.KerasTensor):
+                value = values[id(x)]
+                if to_plain is not None and is_scaled(value):
+                    value = to_plain(value)
+                return value
+            return x
+
+        return _map_structure(lookup, structure)
+
+    def run(self, model, new_inputs):
+        units = _scaled_units(model)
+        values = {}
+        for old, new in zip(model.inputs, tree.flatten(new_inputs)):
+            values[id(old)] = new
+        for depth in sorted(model._nodes_by_depth, reverse=True):
+            for node in model._nodes_by_depth[depth]:
+                if not node.operation or node.is_input:
+                    continue
+                if any(
+                    id(x) not in values and id(x) not in self.covered
+                    for x in node.input_tensors
+                ):
+                    continue  # Not computable from the inputs.
+                to_plain = self.step.to_plain_for(node.operation)
+                args = self.fill(node.arguments.args, values, to_plain)
+                kwargs = self.fill(node.arguments.kwargs, values, to_plain)
+                outputs = self.step(node.operation, args, kwargs)
+                self._store(node, outputs, units, values)
+        return self.fill(model._outputs_struct, values)
+
+    def _store(self, node, outputs, units, values):
+        groups = _group_outputs(node.outputs, units)
+        new_units = _unit_leaves(outputs)
+        if len(groups) == len(new_units):
+            for (key, n), new in zip(groups, new_units):
+                values[key] = new
+                if n == 3:
+                    self.covered.update(units[key])
+            return
+        flat = tree.flatten(outputs)
+        if len(flat) == len(node.outputs):
+            for old, new in zip(node.outputs, flat):
+                values[id(old)] = new
+            return
+        raise ValueError(
+            f"Layer {node.operation.name!r} returned {len(new_units)} "
+            f"outputs where the original returned {len(groups)}."
+        )
+
+
+# --- shared helpers ----------------------------------------------------------
+
+
+class _Names:
+    """Unique layer names in the new model."""
+
+    def __init__(self, model):
+        self.used = {layer.name for layer in _all_layers(model)}
+
+    def __call__(self, base):
+        name, i = base, 1
+        while name in self.used:
+            i += 1
+            name = f"{base}_{i}"
+        self.used.add(name)
+        return name
+
+
+def _all_layers(model):
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def _clone_plain(layer):
+    """A fresh copy of an unconverted layer (weights copied after build).
+
+    A layer without variables that cannot be rebuilt from its config (a
+    `Lambda` wrapping a Python lambda, which safe-mode deserialization
+    refuses) is reused as is: it holds no state to share.
+    """
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as e:
+        if not layer.variables:
+            return layer
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) has no scaled "
+            f"counterpart and could not be cloned from its config: {e}"
+        ) from e
+
+
+def _copy_weights_after_call(old, new):
+    if old.weights and not getattr(new, "_keras_scalify_weights_set", False):
+        new.set_weights(old.get_weights())
+        new._keras_scalify_weights_set = True
+
+
+def _model_input_struct(model):
+    return tree.map_structure(
+        lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
+        model._inputs_struct,
+    )
+
+
+def _finish(model, new):
+    if getattr(model, "compiled", False):
+        new.compile_from_config(model.get_compile_config())
+    return new
+
+
+def _sequential_graph(model):
+    """The Functional graph Keras keeps for a built Sequential `model`."""
+    graph = getattr(model, "_functional", None)
+    if graph is None:
+        raise ValueError(
+            f"`model` {model.name!r} is a Sequential model without an input "
+            f"shape: build it (start it with `keras.Input(...)` or call it on "
+            f"data) before converting it."
+        )
+    return graph
+
+
+def _check_model(model, fn_name):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"`model` of {fn_name} must be a keras.Model, got "
+            f"{type(model).__name__}."
+        )
+    if not isinstance(model, keras.Sequential) and not hasattr(
+        model, "_nodes_by_depth"
+    ):
+        raise ValueError(
+            f"`model` of {fn_name} must be a Sequential or Functional model; "
+            f"{type(model).__name__} is a subclassed model, whose graph "
+            f"cannot be read. Convert its layers with "
+            f"`ScaledX.from_keras(layer)` instead."
+        )
+
+
+def _rebuild(model, make_step, fn_name):
+    """Sequential → Sequential, Functional → Functional, via `make_step`."""
+    _check_model(model, fn_name)
+    names = _Names(model)
+    sequential = isinstance(model, keras.Sequential)
+    graph = _sequential_graph(model) if sequential else model
+    new_inputs = _model_input_struct(graph)
+    called = [] if sequential else None  # Sequential: layers in call order.
+    step = make_step(names, called)
+    outputs = step.finish(_Walker(step).run(graph, new_inputs))
+    if sequential:
+        new = keras.Sequential([new_inputs] + called, name=model.name)
+    else:
+        new = keras.Model(new_inputs, outputs, name=model.name)
+    return _finish(model, new)
+
+
+# --- scalify -----------------------------------------------------------------
+
+
+class _ScalifyStep:
+    """One layer call of the scalified model (see `scalify`)."""
+
+    def __init__(self, names, called, dtype, exclude):
+        self.names = names
+        self.called = called  # Sequential: layers in call order.
+        self.dtype = dtype
+        self.exclude = exclude
+        self.layers = {}  # id(old layer) -> new layer
+        self.converted = set()  # ids of new layers converted from Keras
+        self.clones = set()  # ids of cloned layers (weights set after call)
+        self.as_scaled = {}  # id(plain tensor) -> ScaledTensor
+        self.to_array = {}  # id(ScaledTensor data) -> tensor
+
+    def _excluded(self, layer):
+        for item in self.exclude:
+            if isinstance(item, str) and item == layer.name:
+                return True
+            if isinstance(item, type) and isinstance(layer, item):
+                return True
+        return False
+
+    def new_layer(self, layer):
+        if id(layer) in self.layers:
+            return self.layers[id(layer)]
+        excluded = self._excluded(layer)
+        keras_name = None if excluded else _convertible_name(layer)
+        if isinstance(layer, keras.Model) and not excluded:
+            new = scalify(layer, dtype=self.dtype, exclude=self.exclude)
+        elif keras_name is not None:
+            cls = _scaled_class(keras_name, layer)
+            overrides = {} if self.dtype is None else {"dtype": self.dtype}
+            try:
+                new = cls.from_keras(layer, **overrides)
+            except ValueError as e:
+                raise ValueError(
+                    f"{e} (scalify: pass `exclude=[{layer.name!r}]` to keep "
+                    f"this layer as a plain Keras layer.)"
+                ) from e
+            self.converted.add(id(new))
+        else:
+            new = _clone_plain(layer)
+            self.clones.add(id(new))
+        self.layers[id(layer)] = new
+        return new
+
+    def _record(self, layer):
+        if self.called is not None:
+            self.called.append(layer)
+
+    def _boundary_kwargs(self, base):
+        kwargs = {"name": self.names(base)}
+        if self.dtype is not None:
+            kwargs["dtype"] = self.dtype
+        return kwargs
+
+    def _wrap_as_scaled(self, x):
+        from keras_scalify.layers.boundary import AsScaled
+
+        if is_scaled(x) or not isinstance(x, keras.KerasTensor):
+            return x
+        if "float" not in keras.backend.standardize_dtype(x.dtype):
+            return x
+        if id(x) not in self.as_scaled:
+            layer = AsScaled(**self._boundary_kwargs("as_scaled"))
+            self._record(layer)
+            self.as_scaled[id(x)] = layer(x)
+        return self.as_scaled[id(x)]
+
+    def _unwrap(self, x):
+        from keras_scalify.layers.boundary import ToArray
+
+        if not is_scaled(x):
+            return x
+        if id(x.data) not in self.to_array:
+            layer = ToArray(**self._boundary_kwargs("to_array"))
+            self._record(layer)
+            self.to_array[id(x.data)] = layer(x)
+        return self.to_array[id(x.data)]
+
+    def to_plain_for(self, layer):
+        """`ToArray` for the inputs of unconverted plain layers (and of
+        nested models, plain outside); None for scaled layers."""
+        new = self.new_layer(layer)
+        return None if hasattr(new, "_scaled_weights") else self._unwrap
+
+    def __call__(self, layer, args, kwargs):
+        from keras_scalify.layers.embedding import ScaledEmbedding
+
+        new = self.new_layer(layer)
+        if id(new) in self.converted and not isinstance(new, ScaledEmbedding):
+            args = tuple(_map_structure(self._wrap_as_scaled, a) for a in args)
+        self._record(new)
+        out = new(*args, **kwargs)
+        if id(new) in self.clones:
+            _copy_weights_after_call(layer, new)
+        return out
+
+    def finish(self, outputs):
+        return _map_structure(self._unwrap, outputs)
+
+
+def scalify(model, dtype=None, exclude=()):
+    """A new model computing `model` with scaled layers.
+
+    Dense, EinsumDense, LayerNormalization, RMSNormalization, Embedding,
+    Activation, Add, Dropout and MultiHeadAttention layers (exact classes)
+    are replaced by their `keras_scalify.layers` counterparts holding the
+    same represented weights (`ScaledX.from_keras`), keeping their names;
+    ScaledTensors flow between them. An `AsScaled` layer is inserted where
+    a plain floating tensor enters a converted layer, a `ToArray` layer
+    before every other layer that would receive a ScaledTensor and on every
+    model output, so the new model takes and returns plain tensors.
+    Unconverted layers are cloned with their weights; nested Sequential /
+    Functional models are converted recursively. A compiled model's compile
+    config is applied to the new one. The original model is not modified.
+
+    Under the float32 policy the new model's predictions equal the
+    original's (up to float32 rounding). Set a scaled policy first
+    (`keras.config.set_dtype_policy("scaled_fp8")`) or pass `dtype` to
+    train in low precision.
+
+    Args:
+        model: a built Sequential or Functional `keras.Model`.
+        dtype: None (keep each layer's dtype policy) or a policy (e.g.
+            `"scaled_fp8"`) for the converted and boundary layers.
+        exclude: layer names or classes to keep as plain Keras layers.
+
+    Returns:
+        A new `keras.Sequential` (for a Sequential model) or Functional
+        `keras.Model`.
+    """
+    if isinstance(exclude, (str, type)):
+        exclude = (exclude,)
+    exclude = tuple(exclude)
+
+    def make_step(names, called):
+        return _ScalifyStep(names, called, dtype, exclude)
+
+    return _rebuild(model, make_step, "scalify")
+
+
+# --- unscalify ---------------------------------------------------------------
+
+
+class _UnscalifyStep:
+    """One layer call of the unscalified model (see `unscalify`)."""
+
+    def __init__(self, names, called):
+        self.called = called
+        self.layers = {}
+        self.clones = set()
+
+    def to_plain_for(self, layer):
+        return None
+
+    def new_layer(self, layer):
+        from keras_scalify.layers.base import ScaledLayer
+
+        if id(layer) in self.layers:
+            return self.layers[id(layer)]
+        if isinstance(layer, keras.Model):
+            new = unscalify(layer)
+        elif isinstance(layer, ScaledLayer):
+            if not hasattr(layer, "to_keras"):
+                raise ValueError(
+                    f"Layer {layer.name!r} ({type(layer).__name__}) has no "
+                    f"plain Keras counterpart (`to_keras`); it cannot be "
+                    f"unscalified."
+                )
+            new = layer.to_keras()
+        else:
+            new = _clone_plain(layer)
+            self.clones.add(id(new))
+        self.layers[id(layer)] = new
+        return new
+
+    def __call__(self, layer, args, kwargs):
+        from keras_scalify.layers.boundary import AsScaled
+        from keras_scalify.layers.boundary import ToArray
+        from keras_scalify.layers.embedding import ScaledEmbedding
+        from keras_scalify.layers.rescale import DynamicRescaleGrad
+
+        if isinstance(layer, (AsScaled, ToArray, DynamicRescaleGrad)):
+            # Identity on represented values.
+            return args[0] if args else next(iter(kwargs.values()))
+        if isinstance(layer, ScaledEmbedding) and kwargs.get("reverse"):
+            raise ValueError(
+                f"Layer {layer.name!r} is used with `reverse=True` (tied "
+                f"output projection), which keras.layers.Embedding lacks; "
+                f"it cannot be unscalified."
+            )
+        new = self.new_layer(layer)
+        if self.called is not None:
+            self.called.append(new)
+        out = new(*args, **kwargs)
+        if id(new) in self.clones:
+            _copy_weights_after_call(layer, new)
+        return out
+
+    def finish(self, outputs):
+        return outputs
+
+
+def unscalify(model):
+    """A plain Keras model computing the represented values of `model`.
+
+    Every scaled layer becomes its Keras counterpart (`to_keras`) with the
+    represented float32 weights and a plain dtype policy (a scaled policy
+    becomes float32); `AsScaled`, `ToArray` and `DynamicRescaleGrad`
+    (identity on values) are removed; other layers are cloned with their
+    weights. The result contains no keras_scalify layer, so it can be saved
+    and loaded, exported or served without keras_scalify.
+
+    Args:
+        model: a built Sequential or Functional `keras.Model`.
+
+    Returns:
+        A new `keras.Sequential` or Functional `keras.Model`.
+    """
+
+    def make_step(names, called):
+        return _UnscalifyStep(names, called)
+
+    return _rebuild(model, make_step, "unscalify")

@@ -1,0 +1,134 @@
+"""Scaled activations and the ScaledActivation layer."""
+
+import keras
+
+from keras_scalify import ops as sops
+from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import spec_like
+
+def _gelu(x):
+    """`keras.activations.gelu`: the exact (erf) form by default."""
+    return sops.gelu(x, approximate=False)
+
+
+ACTIVATIONS = {
+    "linear": None,
+    "relu": sops.relu,
+    "gelu": _gelu,
+    "silu": sops.silu,
+    "swish": sops.silu,
+    "tanh": sops.tanh,
+    "sigmoid": sops.sigmoid,
+    "softmax": sops.softmax,
+    "log_softmax": sops.log_softmax,
+}
+
+
+def get_activation(identifier):
+    """A scaled activation by Keras name (None or "linear": identity)."""
+    if identifier is None:
+        return None
+    if not isinstance(identifier, str):
+        name = getattr(identifier, "__name__", None)
+        if name == "_gelu":
+            name = "gelu"
+        if name in ACTIVATIONS and _is_builtin(identifier, name):
+            return ACTIVATIONS[name]
+        raise ValueError(
+            f"`activation` must be one of {sorted(ACTIVATIONS)}, got "
+            f"{identifier!r}."
+        )
+    if identifier not in ACTIVATIONS:
+        raise ValueError(
+            f"`activation` must be one of {sorted(ACTIVATIONS)}, got "
+            f"{identifier!r}."
+        )
+    return ACTIVATIONS[identifier]
+
+
+def _is_builtin(fn, name):
+    """`fn` is Keras's activation `name` or our scaled one (a user function
+    that happens to be called "relu" is not converted silently)."""
+    if fn is ACTIVATIONS[name] or fn is _gelu:
+        return True
+    try:
+        return keras.activations.get(name) is fn
+    except Exception:
+        return False
+
+
+def activation_name(identifier):
+    """The Keras name of a supported activation (call `get_activation`
+    first to validate `identifier`)."""
+    if identifier is None:
+        return "linear"
+    if isinstance(identifier, str):
+        return identifier
+    name = getattr(identifier, "__name__", None)
+    return "gelu" if name == "_gelu" else name
+
+
+@keras.saving.register_keras_serializable(package="keras_scalify")
+class ScaledActivation(ScaledLayer):
+    """`keras.layers.Activation` on ScaledTensors (scale rules of `ksc.ops`).
+
+    Args:
+        activation: a name among relu, gelu, silu/swish, tanh, sigmoid,
+            softmax, log_softmax, linear.
+    """
+
+    def __init__(self, activation, **kwargs):
+        super().__init__(**kwargs)
+        self._fn = get_activation(activation)
+        self.activation = activation_name(activation)
+
+    def call(self, inputs):
+        from keras_scalify.layers.base import cast_to_compute
+
+        x = cast_to_compute(self, inputs)
+        return x if self._fn is None else self._fn(x)
+
+    def compute_output_spec(self, inputs):
+        x = _as_spec(inputs)
+        return spec_like(type(x)(keras.KerasTensor(x.data.shape, dtype=self.compute_dtype), x.scale, x.grad_scale))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"activation": self.activation})
+        return config
+
+    @classmethod
+    def from_keras(cls, layer, **overrides):
+        """A ScaledActivation for a `keras.layers.Activation` (same name,
+        dtype policy); an activation without a scaled rule raises a
+        ValueError naming `activation`."""
+        from keras_scalify.layers.base import check_keras_layer
+        from keras_scalify.layers.base import keras_base_kwargs
+
+        check_keras_layer(layer, keras.layers.Activation, cls)
+        kwargs = keras_base_kwargs(layer, {})
+        kwargs["activation"] = layer.activation
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_keras(self, **overrides):
+        """A plain `keras.layers.Activation` with this activation."""
+        from keras_scalify.layers.base import scaled_base_kwargs
+
+        kwargs = scaled_base_kwargs(self, {})
+        kwargs["activation"] = self.activation
+        kwargs.update(overrides)
+        return keras.layers.Activation(**kwargs)
+
+
+def _as_spec(inputs):
+    from keras_scalify.core.scaled_tensor import ScaledTensor
+    from keras_scalify.core.scaled_tensor import is_scaled
+
+    if is_scaled(inputs):
+        return inputs
+    return ScaledTensor(
+        inputs,
+        keras.KerasTensor((), dtype="float32"),
+        keras.KerasTensor((), dtype="float32"),
+    )

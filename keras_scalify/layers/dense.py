@@ -1,0 +1,211 @@
+"""ScaledDense: `keras.layers.Dense` on ScaledTensors."""
+
+import keras
+
+from keras_scalify import ops as sops
+from keras_scalify.backend import fp8
+from keras_scalify.core.formats import FP8_DTYPES
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.layers.activation import activation_name
+from keras_scalify.layers.activation import get_activation
+from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import check_keras_layer
+from keras_scalify.layers.base import copy_built_weights
+from keras_scalify.layers.base import keras_base_kwargs
+from keras_scalify.layers.base import reject_options
+from keras_scalify.layers.base import scaled_base_kwargs
+from keras_scalify.ops.boundary import as_scaled
+
+
+def policy_matmul(layer, subscripts_or_none, x, w):
+    """`x @ w` (or an einsum) with the policy's casts: inputs cast to the
+    matmul dtype forward (E4M3 under scaled_fp8), the output gradient cast
+    to the grad dtype backward (E5M2)."""
+    mm = layer.policy_dtype("matmul_dtype")
+    gd = layer.policy_dtype("grad_dtype")
+    if keras.src.backend.standardize_dtype(mm) in FP8_DTYPES:
+        # One FP8 dispatch for the forward GEMM and both backward GEMMs.
+        if subscripts_or_none is None:
+            y = sops.fp8_matmul(x, w, mm, gd)
+        else:
+            y = sops.fp8_einsum(subscripts_or_none, x, w, mm, gd)
+        layer._fp8_route = fp8.last_fp8_route()
+    else:
+        x = sops.cast_on_forward(x, mm)
+        w = sops.cast_on_forward(w, mm)
+        if subscripts_or_none is None:
+            y = sops.matmul(x, w)
+        else:
+            y = sops.einsum(subscripts_or_none, x, w)
+        y = sops.cast_on_backward(y, gd)
+    cd = layer.compute_dtype
+    if y.dtype != keras.src.backend.standardize_dtype(cd):
+        y = sops.cast(y, cd)
+    return y
+
+
+def scaled_input(layer, inputs, name="inputs"):
+    """Inputs as a ScaledTensor in the compute dtype (plain: scale 1)."""
+    x = as_scaled(inputs)
+    if x.dtype != keras.src.backend.standardize_dtype(layer.compute_dtype):
+        x = sops.cast(x, layer.compute_dtype)
+    return x
+
+
+@keras.saving.register_keras_serializable(package="keras_scalify")
+class ScaledDense(ScaledLayer):
+    """`keras.layers.Dense` on ScaledTensors.
+
+    `y = activation(x @ kernel + bias)` with the scale rules of `ksc.ops`;
+    the kernel and bias are `ScaledVariable`s (unit-RMS data, the
+    initializer's RMS in the scale). Under a scaled policy the matmul
+    inputs are cast to its `matmul_dtype` and the output gradient to its
+    `grad_dtype` (E4M3 / E5M2 under `scaled_fp8`).
+
+    Args:
+        units, activation, use_bias, kernel_initializer, bias_initializer:
+            as in `keras.layers.Dense`.
+    """
+
+    def __init__(
+        self,
+        units,
+        activation=None,
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if not isinstance(units, int) or units <= 0:
+            raise ValueError(f"`units` must be a positive int, got {units!r}.")
+        self.units = units
+        self._act = get_activation(activation)
+        self.activation = activation_name(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+
+    def build(self, input_shape):
+        shape = input_shape.data if is_scaled(input_shape) else input_shape
+        if len(shape) < 1 or shape[-1] is None:
+            raise ValueError(
+                f"`inputs` of {self.name} need a known last dimension, got "
+                f"shape {tuple(shape)}."
+            )
+        self._kernel = self.add_scaled_weight(
+            "kernel", (shape[-1], self.units), self.kernel_initializer
+        )
+        self._bias = (
+            self.add_scaled_weight("bias", (self.units,), self.bias_initializer)
+            if self.use_bias
+            else None
+        )
+        self.input_spec = None
+
+    @property
+    def kernel(self):
+        return self._kernel
+
+    @property
+    def bias(self):
+        return self._bias
+
+    @property
+    def kernel_value(self):
+        """The represented float32 kernel."""
+        return self._kernel.value
+
+    @property
+    def bias_value(self):
+        return None if self._bias is None else self._bias.value
+
+    def call(self, inputs):
+        x = scaled_input(self, inputs)
+        if x.shape[-1] is not None and x.shape[-1] != self._kernel.shape[0]:
+            raise ValueError(
+                f"`inputs` of {self.name} must have last dimension "
+                f"{self._kernel.shape[0]}, got shape {x.shape}."
+            )
+        y = policy_matmul(self, None, x, self._kernel.read())
+        if self._bias is not None:
+            y = sops.add(y, sops.cast(self._bias.read(rebalance=True), y.dtype))
+        return y if self._act is None else self._act(y)
+
+    def compute_output_spec(self, inputs):
+        from keras_scalify.layers.activation import _as_spec
+        from keras_scalify.core.scaled_tensor import ScaledTensor
+
+        x = _as_spec(inputs)
+        shape = tuple(x.data.shape[:-1]) + (self.units,)
+        return ScaledTensor(
+            keras.KerasTensor(shape, dtype=self.compute_dtype),
+            keras.KerasTensor((), dtype="float32"),
+            keras.KerasTensor((), dtype="float32"),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "units": self.units,
+                "activation": self.activation,
+                "use_bias": self.use_bias,
+                "kernel_initializer": keras.initializers.serialize(
+                    self.kernel_initializer
+                ),
+                "bias_initializer": keras.initializers.serialize(
+                    self.bias_initializer
+                ),
+            }
+        )
+        return config
+
+    @classmethod
+    def from_keras(cls, layer, **overrides):
+        """A ScaledDense with the config and weights of a `keras.layers.Dense`.
+
+        The name, dtype policy and trainability are kept (`overrides`
+        replace constructor arguments, e.g. `dtype="scaled_fp8"`); a built
+        layer gives a built ScaledDense holding the same represented
+        weights. Regularizers, constraints, LoRA, quantization and
+        activations without a scaled rule raise a ValueError naming the
+        argument.
+        """
+        check_keras_layer(layer, keras.layers.Dense, cls)
+        reject_options(layer, cls, _UNSUPPORTED_DENSE)
+        kwargs = keras_base_kwargs(layer, {})
+        kwargs.update(
+            units=layer.units,
+            activation=layer.activation,
+            use_bias=layer.use_bias,
+            kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
+            bias_initializer=keras.initializers.serialize(layer.bias_initializer),
+        )
+        kwargs.update(overrides)
+        return copy_built_weights(layer, cls(**kwargs))
+
+    def to_keras(self, **overrides):
+        """A plain `keras.layers.Dense` with this config and the represented
+        float32 weights (built when this layer is); a scaled dtype policy
+        becomes "float32"."""
+        kwargs = scaled_base_kwargs(self, {})
+        kwargs.update(
+            units=self.units,
+            activation=self.activation,
+            use_bias=self.use_bias,
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+            bias_initializer=keras.initializers.serialize(self.bias_initializer),
+        )
+        kwargs.update(overrides)
+        return copy_built_weights(self, keras.layers.Dense(**kwargs))
+
+
+_UNSUPPORTED_DENSE = (
+    "kernel_regularizer",
+    "bias_regularizer",
+    "activity_regularizer",
+    "kernel_constraint",
+    "bias_constraint",
+    "lora_rank",
+)

@@ -1,0 +1,143 @@
+"""ScaledEmbedding, with a tied output projection for language models."""
+
+import keras
+from keras import ops
+
+from keras_scalify import ops as sops
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import check_keras_layer
+from keras_scalify.layers.base import copy_built_weights
+from keras_scalify.layers.base import keras_base_kwargs
+from keras_scalify.layers.base import reject_options
+from keras_scalify.layers.base import scaled_base_kwargs
+from keras_scalify.layers.dense import policy_matmul
+from keras_scalify.layers.dense import scaled_input
+
+
+@keras.saving.register_keras_serializable(package="keras_scalify")
+class ScaledEmbedding(ScaledLayer):
+    """`keras.layers.Embedding` returning ScaledTensors.
+
+    `call(tokens)` looks rows up (scale rule of `take`: the table's scale);
+    `call(x, reverse=True)` is the tied output projection `x @ tableᵀ`
+    (logits over the vocabulary), sharing one weight and one grad scale
+    with the lookup, so the summed gradient stays exact.
+
+    Args:
+        input_dim, output_dim, embeddings_initializer: as in
+            `keras.layers.Embedding`.
+    """
+
+    def __init__(
+        self, input_dim, output_dim, embeddings_initializer="uniform", **kwargs
+    ):
+        super().__init__(**kwargs)
+        for name, v in (("input_dim", input_dim), ("output_dim", output_dim)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"`{name}` must be a positive int, got {v!r}.")
+        self.input_dim = input_dim
+        self.output_dim = output_dim
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+
+    def build(self, input_shape=None):
+        self._embeddings = self.add_scaled_weight(
+            "embeddings", (self.input_dim, self.output_dim), self.embeddings_initializer
+        )
+
+    @property
+    def embeddings(self):
+        return self._embeddings
+
+    @property
+    def embeddings_value(self):
+        return self._embeddings.value
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            x = scaled_input(self, inputs)
+            if x.shape[-1] is not None and x.shape[-1] != self.output_dim:
+                raise ValueError(
+                    f"`inputs` of {self.name} (reverse=True) must have last "
+                    f"dimension {self.output_dim}, got shape {x.shape}."
+                )
+            table = sops.transpose(self._embeddings.read())
+            return policy_matmul(self, None, x, table)
+        if is_scaled(inputs):
+            raise TypeError(
+                f"`inputs` of {self.name} must be integer token ids, got a "
+                f"ScaledTensor (use reverse=True for the output projection)."
+            )
+        dtype = keras.src.backend.standardize_dtype(getattr(inputs, "dtype", "int32"))
+        if "int" not in dtype:
+            inputs = ops.cast(inputs, "int32")
+        table = self._embeddings.read()
+        return sops.cast(sops.take(table, inputs, axis=0), self.compute_dtype)
+
+    def compute_output_spec(self, inputs, reverse=False):
+        if reverse:
+            shape = tuple((inputs.data if is_scaled(inputs) else inputs).shape[:-1]) + (self.input_dim,)
+        else:
+            shape = tuple(inputs.shape) + (self.output_dim,)
+        return ScaledTensor(
+            keras.KerasTensor(shape, dtype=self.compute_dtype),
+            keras.KerasTensor((), dtype="float32"),
+            keras.KerasTensor((), dtype="float32"),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "input_dim": self.input_dim,
+                "output_dim": self.output_dim,
+                "embeddings_initializer": keras.initializers.serialize(
+                    self.embeddings_initializer
+                ),
+            }
+        )
+        return config
+
+    @classmethod
+    def from_keras(cls, layer, **overrides):
+        """A ScaledEmbedding with the config and table of a
+        `keras.layers.Embedding`. `mask_zero=True`, regularizers,
+        constraints, LoRA and quantization raise a ValueError naming the
+        argument."""
+        check_keras_layer(layer, keras.layers.Embedding, cls)
+        reject_options(layer, cls, _UNSUPPORTED_EMBEDDING)
+        kwargs = keras_base_kwargs(layer, {})
+        kwargs.update(
+            input_dim=layer.input_dim,
+            output_dim=layer.output_dim,
+            embeddings_initializer=keras.initializers.serialize(
+                layer.embeddings_initializer
+            ),
+        )
+        kwargs.update(overrides)
+        return copy_built_weights(layer, cls(**kwargs))
+
+    def to_keras(self, **overrides):
+        """A plain `keras.layers.Embedding` with this config and the
+        represented table (the lookup only: Keras's Embedding has no
+        `reverse` projection)."""
+        kwargs = scaled_base_kwargs(self, {})
+        kwargs.update(
+            input_dim=self.input_dim,
+            output_dim=self.output_dim,
+            embeddings_initializer=keras.initializers.serialize(
+                self.embeddings_initializer
+            ),
+        )
+        kwargs.update(overrides)
+        return copy_built_weights(self, keras.layers.Embedding(**kwargs))
+
+
+_UNSUPPORTED_EMBEDDING = (
+    "mask_zero",
+    "embeddings_regularizer",
+    "activity_regularizer",
+    "embeddings_constraint",
+    "lora_rank",
+)

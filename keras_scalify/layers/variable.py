@@ -1,0 +1,155 @@
+"""`ScaledVariable`: a weight stored as data × pow2 scale."""
+
+import keras
+import numpy as np
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.core import pow2
+from keras_scalify.core.formats import FP8_DTYPES
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.ops._common import rescale
+
+MASTER_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def read_tensor(variable):
+    """The current value of a Keras variable as a backend tensor.
+
+    On TensorFlow `keras.ops.convert_to_tensor(variable)` returns the
+    variable itself, which is then read inside the next op; when that op is
+    a custom gradient (every scale rule is one), an eager `tf.GradientTape`
+    finds a variable read inside it and calls the gradient function with
+    `variables=`, expecting variable gradients back. Reading the value here
+    (`ops.copy` is `tf.identity` on TF) keeps the read outside, and the
+    gradient still reaches the variable through the identity.
+    """
+    t = ops.convert_to_tensor(variable)
+    if isinstance(t, keras.Variable):
+        t = ops.copy(t)
+    return t
+
+
+def split_value(value):
+    """Exact pow2 split of a float32 array: `(data, scale)` with unit-RMS
+    data; an all-zero array gets scale 1 (so updates can grow it)."""
+    value = np.asarray(value, dtype=np.float32)
+    r = float(np.sqrt(np.mean(np.square(value, dtype=np.float64)))) if value.size else 0.0
+    scale = pow2.np_pow2_round_down(r) if r > 0 and np.isfinite(r) else 1.0
+    return value / np.float32(scale), np.float32(scale)
+
+
+class ScaledVariable:
+    """A weight represented as `data * scale`, both tracked Keras variables.
+
+    - `data`: trainable, in the master dtype (float32, float16 or bfloat16),
+      unit RMS at initialization, `autocast=False`;
+    - `scale`: float32 scalar power of two: the initializer's RMS;
+    - `grad_scale`: float32 scalar, the weight gradient's pow2 scale (the
+      cotangent of `data` is `true_gradient / grad_scale`); 0 means "not
+      calibrated", read as `1/scale` (the plain autodiff gradient of data).
+
+    `value` is the represented float32 tensor; `assign(value)` re-splits it
+    exactly. Create it inside a layer's `build` with `layer.add_scaled_weight`.
+    """
+
+    def __init__(self, layer, name, shape, initializer, master_dtype="float32", trainable=True):
+        master_dtype = standardize_dtype(master_dtype)
+        if master_dtype in FP8_DTYPES or master_dtype not in MASTER_DTYPES:
+            raise ValueError(
+                f"`master_dtype` must be one of {MASTER_DTYPES} for a weight that "
+                f"an optimizer updates, got {master_dtype!r}."
+            )
+        init = keras.initializers.get(initializer)
+        value = np.asarray(
+            ops.convert_to_numpy(init(shape, dtype="float32")), dtype=np.float32
+        )
+        data, scale = split_value(value)
+        self.name = name
+        self.master_dtype = master_dtype
+        self.data = layer.add_weight(
+            name=name,
+            shape=shape,
+            initializer=_constant(data),
+            dtype=master_dtype,
+            trainable=trainable,
+            autocast=False,
+        )
+        self.scale = layer.add_weight(
+            name=f"{name}_scale",
+            shape=(),
+            initializer=_constant(scale),
+            dtype="float32",
+            trainable=False,
+            autocast=False,
+        )
+        self.grad_scale = layer.add_weight(
+            name=f"{name}_grad_scale",
+            shape=(),
+            initializer="zeros",
+            dtype="float32",
+            trainable=False,
+            autocast=False,
+        )
+
+    @property
+    def shape(self):
+        return tuple(self.data.shape)
+
+    @property
+    def variables(self):
+        return [self.data, self.scale, self.grad_scale]
+
+    def read(self, rebalance=False):
+        """The weight as a ScaledTensor (for use inside `call`).
+
+        `rebalance=True` (for biases and shifts, which are added to
+        activations): the scale is re-read from the data's max, exactly, and
+        an all-zero weight gets scale 0, so that a zero-initialized bias
+        does not pull the scale of the sum it joins (`add` takes
+        `sqrt(sa² + sb²)`). One max over a vector: no activation statistic.
+        """
+        data = read_tensor(self.data)
+        scale = read_tensor(self.scale)
+        gs = read_tensor(self.grad_scale)
+        gs = ops.where(ops.greater(gs, 0.0), gs, 1.0 / scale)
+        if not rebalance:
+            return ScaledTensor(data, scale, gs)
+        m = ops.stop_gradient(ops.max(ops.abs(ops.cast(data, "float32"))))
+        nonzero = ops.logical_and(ops.greater(m, 0.0), ops.isfinite(m))
+        k = ops.where(nonzero, pow2.pow2_round_down(m), 1.0)
+        one = ops.ones((), "float32")
+        data = rescale(data, one / k, one)
+        return ScaledTensor(data, ops.where(nonzero, scale * k, 0.0), gs)
+
+    @property
+    def value(self):
+        """The represented float32 tensor `data * scale`."""
+        return ops.cast(ops.convert_to_tensor(self.data), "float32") * ops.convert_to_tensor(self.scale)
+
+    def numpy(self):
+        return np.asarray(ops.convert_to_numpy(self.value))
+
+    def assign(self, value):
+        """Store `value` (float32-like) as unit-RMS data × pow2 scale."""
+        value = np.asarray(value, dtype=np.float32)
+        if value.shape != self.shape:
+            raise ValueError(
+                f"`value` for weight {self.name!r} must have shape {self.shape}, "
+                f"got {value.shape}."
+            )
+        data, scale = split_value(value)
+        self.data.assign(data.astype(self.data.dtype))
+        self.scale.assign(scale)
+
+    def __repr__(self):
+        return f"<ScaledVariable {self.name} shape={self.shape} master={self.master_dtype}>"
+
+
+def _constant(value):
+    value = np.asarray(value)
+
+    def init(shape, dtype=None):
+        return ops.cast(ops.convert_to_tensor(value.reshape(shape)), dtype)
+
+    return init

@@ -1,0 +1,308 @@
+"""`scalify` / `unscalify`: Sequential and Functional models, boundaries,
+unconverted layers, nested models, shared layers, options and errors."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_scalify as ksc
+from keras_scalify.layers import AsScaled
+from keras_scalify.layers import DynamicRescaleGrad
+from keras_scalify.layers import ScaledAdd
+from keras_scalify.layers import ScaledDense
+from keras_scalify.layers import ScaledEmbedding
+from keras_scalify.layers import ScaledLayerNormalization
+from keras_scalify.layers import ToArray
+from tests.conftest import to_np
+
+RTOL = 1e-5
+
+
+def _x(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype("float32")
+
+
+def _predict(model, x):
+    """Inference outputs (an eager call: faster than compiling `predict`)."""
+    return to_np(model(ops.convert_to_tensor(x), training=False))
+
+
+def _close(a, b, rtol=RTOL):
+    floor = 1e-5 * float(np.max(np.abs(b)))
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=floor)
+
+
+def _rel_err(a, b):
+    """Normwise relative error (low-precision comparisons)."""
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def _scalify_layers(model):
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if type(layer).__module__.startswith("keras_scalify")
+    ]
+
+
+def _types(model):
+    return [type(layer).__name__ for layer in model.layers]
+
+
+def _mlp():
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="gelu"),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Activation("tanh"),
+            keras.layers.Dense(8),
+        ],
+        name="mlp",
+    )
+
+
+def _residual_with_plain_layers():
+    inp = keras.Input((2, 8), name="x")
+    h = keras.layers.LayerNormalization(name="ln")(inp)
+    h = keras.layers.Dense(8, activation="gelu", name="up")(h)
+    h = keras.layers.Add(name="residual")([inp, h])
+    h = keras.layers.Flatten(name="flatten")(h)  # not converted
+    h = keras.layers.Dense(16, name="mid")(h)
+    h = keras.layers.Reshape((2, 8), name="reshape")(h)  # not converted
+    h = keras.layers.Lambda(lambda t: ops.tanh(t) * 2.0, name="lambda")(h)  # not converted
+    out = keras.layers.Dense(8, name="head")(h)
+    return keras.Model(inp, out, name="residual")
+
+
+def test_sequential_mlp():
+    model = _mlp()
+    before = [w.copy() for w in model.get_weights()]
+    x = _x((8, 8))
+    scaled = ksc.scalify(model)
+    assert isinstance(scaled, keras.Sequential)
+    assert _types(scaled) == [
+        "AsScaled", "ScaledDense", "ScaledLayerNormalization", "ScaledDropout",
+        "ScaledDense", "ScaledActivation", "ScaledDense", "ToArray",
+    ]
+    _close(_predict(scaled, x), _predict(model, x))
+    # Names are kept; the original is untouched and shares no variable.
+    assert scaled.get_layer(model.layers[0].name).units == 16
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    assert not _scalify_layers(model)
+    assert not {id(v) for v in model.weights} & {id(v) for v in scaled.weights}
+    # Back to plain Keras: no keras_scalify layer, same predictions.
+    plain = ksc.unscalify(scaled)
+    assert isinstance(plain, keras.Sequential)
+    assert not _scalify_layers(plain)
+    assert _types(plain) == [type(layer).__name__ for layer in model.layers]
+    _close(_predict(plain, x), _predict(model, x))
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_functional_residual_with_plain_layers():
+    model = _residual_with_plain_layers()
+    x = _x((8, 2, 8))
+    scaled = ksc.scalify(model)
+    types = _types(scaled)
+    # A ToArray before each plain layer, an AsScaled after it, and one
+    # AsScaled for the input shared by the LayerNorm and the residual.
+    assert types.count("AsScaled") == 3
+    assert types.count("ToArray") == 3
+    assert types.index("ToArray") < types.index("Flatten") < types.index("ScaledDense", types.index("Flatten"))
+    assert {"ScaledAdd", "ScaledLayerNormalization", "Flatten", "Reshape", "Lambda"} <= set(types)
+    _close(_predict(scaled, x), _predict(model, x))
+    plain = ksc.unscalify(scaled)
+    assert not _scalify_layers(plain)
+    _close(_predict(plain, x), _predict(model, x))
+
+
+def test_scalify_is_idempotent_on_scaled_models():
+    model = _residual_with_plain_layers()
+    x = _x((8, 2, 8))
+    twice = ksc.scalify(ksc.scalify(model))
+    assert _types(twice).count("ToArray") == 3
+    _close(_predict(twice, x), _predict(model, x))
+
+
+class _Halve(keras.layers.Layer):
+    """A custom (plain Keras) layer that computes on ScaledTensors."""
+
+    def call(self, x):
+        return ksc.ops.multiply(x, 0.5)
+
+
+def test_custom_layer_receiving_scaled_tensors_keeps_them():
+    inp = keras.Input((8,))
+    h = ScaledDense(8, name="sd")(AsScaled()(inp))
+    h = _Halve(name="halve")(h)
+    out = ToArray()(keras.layers.Dense(8, name="d")(ToArray()(h)))
+    model = keras.Model(inp, out)
+    scaled = ksc.scalify(model)
+    types = _types(scaled)
+    # No boundary added before the custom layer: it got a ScaledTensor.
+    assert types.count("ToArray") == 2 and types.count("AsScaled") == 2
+    assert types.index("_Halve") < types.index("ToArray")
+    x = _x((8, 8))
+    _close(_predict(scaled, x), _predict(model, x))
+
+
+def test_sequential_built_by_calling():
+    model = keras.Sequential([keras.layers.Dense(8), keras.layers.LayerNormalization()])
+    x = _x((8, 8))
+    model(x)
+    scaled = ksc.scalify(model)
+    assert _types(scaled) == ["AsScaled", "ScaledDense", "ScaledLayerNormalization", "ToArray"]
+    _close(_predict(scaled, x), _predict(model, x))
+
+
+def test_nested_and_shared_layers():
+    inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu")], name="inner")
+    shared = keras.layers.Dense(8, name="shared")
+    inp = keras.Input((8,))
+    a = shared(inp)
+    b = shared(inner(a))
+    out = keras.layers.Add()([a, b])
+    model = keras.Model(inp, out)
+    x = _x((8, 8))
+    scaled = ksc.scalify(model)
+    new_shared = scaled.get_layer("shared")
+    assert isinstance(new_shared, ScaledDense)
+    assert len(new_shared._inbound_nodes) == 2  # still one shared layer
+    new_inner = scaled.get_layer("inner")
+    assert isinstance(new_inner, keras.Sequential)
+    assert isinstance(new_inner.layers[1], ScaledDense)
+    _close(_predict(scaled, x), _predict(model, x))
+    plain = ksc.unscalify(scaled)
+    assert not _scalify_layers(plain)
+    _close(_predict(plain, x), _predict(model, x))
+
+
+def test_embedding_attention_model():
+    if not hasattr(ksc.layers, "ScaledMultiHeadAttention"):
+        pytest.skip("ScaledMultiHeadAttention not available")
+    tokens = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, name="emb")(tokens)
+    a = keras.layers.LayerNormalization(name="ln")(h)
+    a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="mha")(a, a)
+    h = keras.layers.Add()([h, a])
+    h = keras.layers.EinsumDense("btd,dk->btk", output_shape=(None, 8), bias_axes="k", name="ein")(h)
+    out = keras.layers.RMSNormalization(name="rms")(h)
+    model = keras.Model(tokens, out)
+    x = np.random.default_rng(0).integers(0, 20, (8, 8)).astype("int32")
+    scaled = ksc.scalify(model)
+    for name, cls in [("emb", "ScaledEmbedding"), ("mha", "ScaledMultiHeadAttention"),
+                      ("ein", "ScaledEinsumDense"), ("rms", "ScaledRMSNormalization")]:
+        assert type(scaled.get_layer(name)).__name__ == cls
+    assert "AsScaled" not in _types(scaled)  # integer tokens are not scaled
+    _close(_predict(scaled, x), _predict(model, x))
+    plain = ksc.unscalify(scaled)
+    assert not _scalify_layers(plain)
+    _close(_predict(plain, x), _predict(model, x))
+
+
+def test_exclude_and_unsupported_options():
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, kernel_regularizer="l2", name="reg"), keras.layers.Dense(8, name="out")]
+    )
+    with pytest.raises(ValueError, match="kernel_regularizer.*exclude"):
+        ksc.scalify(model)
+    scaled = ksc.scalify(model, exclude=["reg"])
+    assert _types(scaled) == ["Dense", "AsScaled", "ScaledDense", "ToArray"]
+    x = _x((8, 8))
+    _close(_predict(scaled, x), _predict(model, x))
+    by_class = ksc.scalify(model, exclude=keras.layers.Dense)
+    assert not _scalify_layers(by_class)
+
+
+def test_dtype_override():
+    model = _mlp()
+    scaled = ksc.scalify(model, dtype="scaled_fp8")
+    dense = scaled.layers[1]
+    assert dense.dtype_policy.name == "scaled_fp8"
+    assert dense.kernel.data.dtype == "float16"
+    assert scaled.layers[0].compute_dtype == "float16"  # AsScaled
+    x = _x((8, 8))
+    # E4M3 matmul inputs: ~2^-4 relative rounding per element.
+    assert _rel_err(_predict(scaled, x), _predict(model, x)) < 0.15
+
+
+@pytest.fixture
+def policy_guard():
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+def test_compiled_model_stays_compiled():
+    model = _mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    scaled = ksc.scalify(model)
+    assert scaled.compiled
+    loss = scaled.train_on_batch(_x((8, 8)), _x((8, 8)))
+    assert np.isfinite(loss)
+
+
+def test_unscalify_hand_built_scaled_model(policy_guard):
+    keras.mixed_precision.set_dtype_policy("scaled_fp16")
+    inp = keras.Input((8,))
+    h = AsScaled(scale=0.5)(inp)
+    h = ScaledDense(8, activation="relu")(h)
+    h = DynamicRescaleGrad()(h)
+    h = ScaledLayerNormalization()(h)
+    h = ScaledAdd()([h, ScaledDense(8)(h)])
+    out = ToArray()(h)
+    model = keras.Model(inp, out)
+    keras.config.set_dtype_policy("float32")
+    plain = ksc.unscalify(model)
+    assert not _scalify_layers(plain)
+    assert all(layer.dtype_policy.name == "float32" for layer in plain.layers)
+    x = _x((8, 8))
+    # float16 activations in the scaled model, float32 in the plain one.
+    assert _rel_err(_predict(plain, x), _predict(model, x)) < 1e-2
+
+
+def test_unscalify_rejects_tied_projection():
+    tokens = keras.Input((8,), dtype="int32")
+    emb = ScaledEmbedding(10, 8)
+    logits = ToArray()(emb(emb(tokens), reverse=True))
+    with pytest.raises(ValueError, match="reverse"):
+        ksc.unscalify(keras.Model(tokens, logits))
+
+
+def test_bad_models():
+    with pytest.raises(ValueError, match="build"):
+        ksc.scalify(keras.Sequential([keras.layers.Dense(2)]))
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.d(x)
+
+    sub = Sub()
+    sub(np.ones((1, 3), "float32"))
+    with pytest.raises(ValueError, match="subclassed"):
+        ksc.scalify(sub)
+    with pytest.raises(TypeError, match="keras.Model"):
+        ksc.scalify(keras.layers.Dense(2))
+
+
+def test_scaled_layers_in_a_plain_model_get_weights_copied():
+    """Scaled layers already in the model are cloned with their represented
+    weights (the delayed-rescaling state is bookkeeping)."""
+    inp = keras.Input((8,))
+    h = ScaledDense(8, name="sd")(inp)
+    out = ToArray()(h)
+    model = keras.Model(inp, out)
+    clone = ksc.scalify(model)
+    assert clone.get_layer("sd") is not model.get_layer("sd")
+    np.testing.assert_array_equal(
+        to_np(clone.get_layer("sd").kernel.value), to_np(model.get_layer("sd").kernel.value)
+    )
