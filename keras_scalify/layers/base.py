@@ -269,6 +269,42 @@ def copy_built_weights(source, target):
     return target
 
 
+class KernelBiasMixin:
+    """`kernel`/`bias` (ScaledVariables) and their float32 values."""
+
+    @property
+    def kernel(self):
+        return self._kernel
+
+    @property
+    def bias(self):
+        return self._bias
+
+    @property
+    def kernel_value(self):
+        """The represented float32 kernel."""
+        return self._kernel.value
+
+    @property
+    def bias_value(self):
+        return None if self._bias is None else self._bias.value
+
+
+def add_grad_scale_state(layer):
+    """The float32 state of a delayed gradient rescale: trainable with
+    `overwrite_with_gradient`, the only route out of the backward pass that
+    survives JAX's stateless `fit` (docs/design.md §3)."""
+    return layer.add_weight(
+        name="grad_scale_state",
+        shape=(),
+        initializer="zeros",
+        dtype="float32",
+        trainable=True,
+        autocast=False,
+        overwrite_with_gradient=True,
+    )
+
+
 def spec_like(x):
     """Fresh symbolic tensors with the shapes and dtypes of `x`."""
     return keras.tree.map_structure(

@@ -8,6 +8,7 @@ from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
+from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import check_keras_layer
 from keras_scalify.layers.base import copy_built_weights
@@ -53,7 +54,7 @@ def scaled_input(layer, inputs, name="inputs"):
 
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
-class ScaledDense(ScaledLayer):
+class ScaledDense(KernelBiasMixin, ScaledLayer):
     """`keras.layers.Dense` on ScaledTensors.
 
     `y = activation(x @ kernel + bias)` with the scale rules of `ksc.ops`;
@@ -103,22 +104,6 @@ class ScaledDense(ScaledLayer):
         )
         self.input_spec = None
 
-    @property
-    def kernel(self):
-        return self._kernel
-
-    @property
-    def bias(self):
-        return self._bias
-
-    @property
-    def kernel_value(self):
-        """The represented float32 kernel."""
-        return self._kernel.value
-
-    @property
-    def bias_value(self):
-        return None if self._bias is None else self._bias.value
 
     def call(self, inputs):
         x = scaled_input(self, inputs)

@@ -9,6 +9,7 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
+from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.dense import policy_matmul
 from keras_scalify.layers.dense import scaled_input
@@ -83,7 +84,7 @@ def explicit_equation(equation, ndim):
 
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
-class ScaledEinsumDense(ScaledLayer):
+class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
     """`keras.layers.EinsumDense` on ScaledTensors.
 
     `y = activation(einsum(equation, x, kernel) + bias)` with the scale
@@ -189,22 +190,6 @@ class ScaledEinsumDense(ScaledLayer):
         return config
 
     # --- weights --------------------------------------------------------------
-    @property
-    def kernel(self):
-        return self._kernel
-
-    @property
-    def bias(self):
-        return self._bias
-
-    @property
-    def kernel_value(self):
-        """The represented float32 kernel."""
-        return self._kernel.value
-
-    @property
-    def bias_value(self):
-        return None if self._bias is None else self._bias.value
 
     # --- call -----------------------------------------------------------------
     def _check_input(self, shape):

@@ -5,6 +5,7 @@ import keras
 from keras_scalify import ops as sops
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import add_grad_scale_state
 from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.variable import read_tensor
 from keras_scalify.layers.base import check_keras_layer
@@ -55,15 +56,7 @@ class _ScaledNorm(ScaledLayer):
                 f"{self.axis}, got shape {tuple(shape)}."
             )
         if self.grad_rescale is not None:
-            self.grad_scale_state = self.add_weight(
-                name="grad_scale_state",
-                shape=(),
-                initializer="zeros",
-                dtype="float32",
-                trainable=True,
-                autocast=False,
-                overwrite_with_gradient=True,
-            )
+            self.grad_scale_state = add_grad_scale_state(self)
         return shape, param_shape
 
     def _call_axes(self, x):

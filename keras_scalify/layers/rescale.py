@@ -3,6 +3,7 @@
 import keras
 
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import add_grad_scale_state
 from keras_scalify.layers.variable import read_tensor
 from keras_scalify.layers.base import spec_like
 from keras_scalify.ops.rescaling import STATISTICS
@@ -31,15 +32,7 @@ class DynamicRescaleGrad(ScaledLayer):
         self.statistic = statistic
 
     def build(self, input_shape=None):
-        self.grad_scale_state = self.add_weight(
-            name="grad_scale_state",
-            shape=(),
-            initializer="zeros",
-            dtype="float32",
-            trainable=True,
-            autocast=False,
-            overwrite_with_gradient=True,
-        )
+        self.grad_scale_state = add_grad_scale_state(self)
 
     def call(self, inputs):
         state = read_tensor(self.grad_scale_state)
