@@ -6,7 +6,6 @@ import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
 
-from keras_scalify.core import pow2
 
 _FLOAT_DTYPES = (
     "float16",

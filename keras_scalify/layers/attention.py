@@ -13,6 +13,7 @@ from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import scaled_spec
 from keras_scalify.layers.dense import scaled_input
 from keras_scalify.layers.einsum_dense import ScaledEinsumDense
 from keras_scalify.layers.einsum_dense import check_unsupported
@@ -26,13 +27,6 @@ _MASK_VALUE = -1e9
 # `_mask_fill`): a tiny scores scale cannot turn the fill into -inf.
 _F32_MAX = 3.0e38
 
-
-def _scaled_spec(shape, dtype):
-    return ScaledTensor(
-        keras.KerasTensor(shape, dtype=dtype),
-        keras.KerasTensor((), dtype="float32"),
-        keras.KerasTensor((), dtype="float32"),
-    )
 
 
 def _shape_of(x):
@@ -506,14 +500,14 @@ class ScaledMultiHeadAttention(ScaledLayer):
                 f"key_shape={k_shape}"
             )
         out_shape = q_shape[:-1] + (self._output_shape or (q_shape[-1],))
-        out = _scaled_spec(tuple(out_shape), self.compute_dtype)
+        out = scaled_spec(tuple(out_shape), self.compute_dtype)
         if not return_attention_scores:
             return out
         # (batch dims..., heads, query attention dims..., key attention dims...)
         axes = self._attention_axes
         batch = [d for i, d in enumerate(q_shape[:-1]) if i not in axes]
         s_shape = tuple(batch + [self._num_heads] + [q_shape[a] for a in axes] + [v_shape[a] for a in axes])
-        return out, _scaled_spec(s_shape, self.compute_dtype)
+        return out, scaled_spec(s_shape, self.compute_dtype)
 
     # --- config and conversion ---------------------------------------------------
     def get_config(self):

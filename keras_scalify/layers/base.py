@@ -305,6 +305,17 @@ def add_grad_scale_state(layer):
     )
 
 
+def scaled_spec(shape, dtype):
+    """A symbolic ScaledTensor: data of `shape`/`dtype`, float32 scalars."""
+    from keras_scalify.core.scaled_tensor import ScaledTensor
+
+    return ScaledTensor(
+        keras.KerasTensor(tuple(shape), dtype=dtype),
+        keras.KerasTensor((), dtype="float32"),
+        keras.KerasTensor((), dtype="float32"),
+    )
+
+
 def spec_like(x):
     """Fresh symbolic tensors with the shapes and dtypes of `x`."""
     return keras.tree.map_structure(

@@ -7,6 +7,7 @@ from keras import ops
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import scaled_spec
 from keras_scalify.ops.boundary import as_scaled
 from keras_scalify.ops.boundary import to_array
 
@@ -41,14 +42,9 @@ class AsScaled(ScaledLayer):
         return as_scaled(x, np.float32(self.scale), np.float32(self.grad_scale))
 
     def compute_output_spec(self, inputs):
-        from keras_scalify.core.scaled_tensor import ScaledTensor
 
         shape = inputs.data.shape if is_scaled(inputs) else inputs.shape
-        return ScaledTensor(
-            keras.KerasTensor(shape, dtype=self.compute_dtype),
-            keras.KerasTensor((), dtype="float32"),
-            keras.KerasTensor((), dtype="float32"),
-        )
+        return scaled_spec(shape, self.compute_dtype)
 
     def get_config(self):
         config = super().get_config()

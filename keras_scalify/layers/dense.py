@@ -10,6 +10,7 @@ from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import scaled_spec
 from keras_scalify.layers.base import check_keras_layer
 from keras_scalify.layers.base import copy_built_weights
 from keras_scalify.layers.base import keras_base_kwargs
@@ -119,15 +120,10 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
 
     def compute_output_spec(self, inputs):
         from keras_scalify.layers.activation import _as_spec
-        from keras_scalify.core.scaled_tensor import ScaledTensor
 
         x = _as_spec(inputs)
         shape = tuple(x.data.shape[:-1]) + (self.units,)
-        return ScaledTensor(
-            keras.KerasTensor(shape, dtype=self.compute_dtype),
-            keras.KerasTensor((), dtype="float32"),
-            keras.KerasTensor((), dtype="float32"),
-        )
+        return scaled_spec(shape, self.compute_dtype)
 
     def get_config(self):
         config = super().get_config()

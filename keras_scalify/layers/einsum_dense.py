@@ -5,12 +5,12 @@ from keras.src.initializers.random_initializers import VarianceScaling
 from keras.src.layers.core.einsum_dense import _analyze_einsum_string
 
 from keras_scalify import ops as sops
-from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import scaled_spec
 from keras_scalify.layers.dense import policy_matmul
 from keras_scalify.layers.dense import scaled_input
 
@@ -220,11 +220,7 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
 
     def compute_output_spec(self, inputs, training=None):
         shape = self.compute_output_shape(inputs)
-        return ScaledTensor(
-            keras.KerasTensor(shape, dtype=self.compute_dtype),
-            keras.KerasTensor((), dtype="float32"),
-            keras.KerasTensor((), dtype="float32"),
-        )
+        return scaled_spec(shape, self.compute_dtype)
 
     # --- config and conversion -------------------------------------------------
     def get_config(self):

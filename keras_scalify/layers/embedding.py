@@ -4,9 +4,9 @@ import keras
 from keras import ops
 
 from keras_scalify import ops as sops
-from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import scaled_spec
 from keras_scalify.layers.base import check_keras_layer
 from keras_scalify.layers.base import copy_built_weights
 from keras_scalify.layers.base import keras_base_kwargs
@@ -80,11 +80,7 @@ class ScaledEmbedding(ScaledLayer):
             shape = tuple((inputs.data if is_scaled(inputs) else inputs).shape[:-1]) + (self.input_dim,)
         else:
             shape = tuple(inputs.shape) + (self.output_dim,)
-        return ScaledTensor(
-            keras.KerasTensor(shape, dtype=self.compute_dtype),
-            keras.KerasTensor((), dtype="float32"),
-            keras.KerasTensor((), dtype="float32"),
-        )
+        return scaled_spec(shape, self.compute_dtype)
 
     def get_config(self):
         config = super().get_config()

@@ -7,7 +7,6 @@ backward of operand i contracts `n_i = size(out)·K/size(i)` elements, so
 `g = mean_i(g_i / (Π_{j≠i} s_j · P(sqrt(n_i))))`.
 """
 
-import math
 import string
 
 import numpy as np

@@ -184,8 +184,6 @@ def test_nested_and_shared_layers():
 
 
 def test_embedding_attention_model():
-    if not hasattr(ksc.layers, "ScaledMultiHeadAttention"):
-        pytest.skip("ScaledMultiHeadAttention not available")
     tokens = keras.Input((8,), dtype="int32")
     h = keras.layers.Embedding(20, 8, name="emb")(tokens)
     a = keras.layers.LayerNormalization(name="ln")(h)

@@ -2,7 +2,6 @@
 data variables: d loss / d data = scale · d loss / d weight."""
 
 import keras
-import numpy as np
 import pytest
 from keras import ops
 
