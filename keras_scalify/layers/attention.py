@@ -34,6 +34,15 @@ def _shape_of(x):
     return tuple((x.data if is_scaled(x) else x).shape)
 
 
+def _check_value_key(value_shape, key_shape):
+    if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
+        raise ValueError(
+            "All dimensions of `value` and `key`, except the last one, "
+            f"must be equal. Received: value_shape={value_shape} and "
+            f"key_shape={key_shape}"
+        )
+
+
 @keras.saving.register_keras_serializable(package="keras_scalify")
 class ScaledMultiHeadAttention(ScaledLayer):
     """`keras.layers.MultiHeadAttention` on ScaledTensors.
@@ -264,12 +273,7 @@ class ScaledMultiHeadAttention(ScaledLayer):
         query_shape = plain_shape(query_shape)
         value_shape = plain_shape(value_shape)
         key_shape = value_shape if key_shape is None else plain_shape(key_shape)
-        if value_shape[1:-1] != key_shape[1:-1]:
-            raise ValueError(
-                "All dimensions of `value` and `key`, except the last one, "
-                f"must be equal. Received: value_shape={value_shape} and "
-                f"key_shape={key_shape}"
-            )
+        _check_value_key(value_shape, key_shape)
         if len(query_shape) != len(value_shape):
             raise ValueError(
                 f"`query` and `value` of {self.name} must have the same rank, "
@@ -493,12 +497,7 @@ class ScaledMultiHeadAttention(ScaledLayer):
         q_shape = _shape_of(query)
         v_shape = _shape_of(value)
         k_shape = v_shape if key is None else _shape_of(key)
-        if v_shape[1:-1] != k_shape[1:-1]:
-            raise ValueError(
-                "All dimensions of `value` and `key`, except the last one, "
-                f"must be equal. Received: value_shape={v_shape} and "
-                f"key_shape={k_shape}"
-            )
+        _check_value_key(v_shape, k_shape)
         out_shape = q_shape[:-1] + (self._output_shape or (q_shape[-1],))
         out = scaled_spec(tuple(out_shape), self.compute_dtype)
         if not return_attention_scores:

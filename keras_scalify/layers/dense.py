@@ -156,14 +156,7 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
         check_keras_layer(layer, keras.layers.Dense, cls)
         reject_options(layer, cls, _UNSUPPORTED_DENSE)
         kwargs = keras_base_kwargs(layer, {})
-        kwargs.update(
-            units=layer.units,
-            activation=layer.activation,
-            use_bias=layer.use_bias,
-            kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
-            bias_initializer=keras.initializers.serialize(layer.bias_initializer),
-        )
-        kwargs.update(overrides)
+        kwargs.update(_dense_kwargs(layer), **overrides)
         return copy_built_weights(layer, cls(**kwargs))
 
     def to_keras(self, **overrides):
@@ -171,15 +164,19 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
         float32 weights (built when this layer is); a scaled dtype policy
         becomes "float32"."""
         kwargs = scaled_base_kwargs(self, {})
-        kwargs.update(
-            units=self.units,
-            activation=self.activation,
-            use_bias=self.use_bias,
-            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
-            bias_initializer=keras.initializers.serialize(self.bias_initializer),
-        )
-        kwargs.update(overrides)
+        kwargs.update(_dense_kwargs(self), **overrides)
         return copy_built_weights(self, keras.layers.Dense(**kwargs))
+
+
+def _dense_kwargs(layer):
+    """The arguments a Dense and a ScaledDense share, read from `layer`."""
+    return dict(
+        units=layer.units,
+        activation=layer.activation,
+        use_bias=layer.use_bias,
+        kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
+        bias_initializer=keras.initializers.serialize(layer.bias_initializer),
+    )
 
 
 _UNSUPPORTED_DENSE = (
