@@ -4,11 +4,13 @@ from keras_scalify import core
 from keras_scalify import debug
 from keras_scalify import layers
 from keras_scalify import ops
+from keras_scalify import optimizers
 from keras_scalify import policies
 from keras_scalify.convert import scalify
 from keras_scalify.convert import unscalify
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.layers.variable import ScaledVariable
+from keras_scalify.optimizers import ScaledOptimizer
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops.boundary import as_scaled
 from keras_scalify.ops.boundary import to_array

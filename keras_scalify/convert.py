@@ -278,8 +278,26 @@ def _model_input_struct(model):
 
 def _finish(model, new):
     if getattr(model, "compiled", False):
-        new.compile_from_config(model.get_compile_config())
+        config = model.get_compile_config()
+        config["optimizer"] = _scaled_optimizer_config(config.get("optimizer"), new)
+        new.compile_from_config(config)
     return new
+
+
+def _scaled_optimizer_config(config, model):
+    """A plain optimizer's config, wrapped in a `ScaledOptimizer` when
+    `model` has scaled weights (a plain optimizer cannot train them)."""
+    from keras.src.saving import serialization_lib
+
+    from keras_scalify.optimizers import ScaledOptimizer
+    from keras_scalify.optimizers.guard import scaled_variables_in
+
+    if config is None or not scaled_variables_in(model.trainable_variables):
+        return config
+    optimizer = serialization_lib.deserialize_keras_object(config)
+    if isinstance(optimizer, ScaledOptimizer):
+        return config
+    return serialization_lib.serialize_keras_object(ScaledOptimizer(optimizer))
 
 
 def _sequential_graph(model):
@@ -446,7 +464,8 @@ def scalify(model, dtype=None, exclude=()):
     model output, so the new model takes and returns plain tensors.
     Unconverted layers are cloned with their weights; nested Sequential /
     Functional models are converted recursively. A compiled model's compile
-    config is applied to the new one. The original model is not modified.
+    config is applied to the new one, its optimizer wrapped in a
+    `ScaledOptimizer` when the new model has scaled weights. The original model is not modified.
 
     Under the float32 policy the new model's predictions equal the
     original's (up to float32 rounding). Set a scaled policy first

@@ -10,6 +10,7 @@ _DEFAULTS = {
     "matmul_dtype": None,
     "grad_dtype": None,
     "master_dtype": "float32",
+    "state_dtype": "float32",
 }
 
 
@@ -61,7 +62,13 @@ class ScaledLayer(keras.layers.Layer):
 
     def add_scaled_weight(self, name, shape, initializer, trainable=True):
         sv = ScaledVariable(
-            self, name, shape, initializer, self.policy_dtype("master_dtype"), trainable
+            self,
+            name,
+            shape,
+            initializer,
+            self.policy_dtype("master_dtype"),
+            trainable,
+            self.policy_dtype("state_dtype"),
         )
         self._scaled_weights.append(sv)
         return sv

@@ -30,6 +30,11 @@ def read_tensor(variable):
     return t
 
 
+def effective_grad_scale(grad_scale, scale):
+    """The grad scale in use: `grad_scale`, or `1/scale` while it is 0."""
+    return ops.where(ops.greater(grad_scale, 0.0), grad_scale, 1.0 / scale)
+
+
 def split_value(value):
     """Exact pow2 split of a float32 array: `(data, scale)` with unit-RMS
     data; an all-zero array gets scale 1 (so updates can grow it)."""
@@ -49,11 +54,27 @@ class ScaledVariable:
       cotangent of `data` is `true_gradient / grad_scale`); 0 means "not
       calibrated", read as `1/scale` (the plain autodiff gradient of data).
 
+    `scale` and `grad_scale` are trainable (when the weight is) with
+    `overwrite_with_gradient=True` and no gradient of their own: only
+    `keras_scalify.ScaledOptimizer` writes them (it re-splits the weight and
+    calibrates its gradient scale), and under JAX's stateless `fit` an
+    optimizer can only write trainable variables. A plain Keras optimizer
+    given these weights raises (see `keras_scalify.optimizers.guard`).
+
     `value` is the represented float32 tensor; `assign(value)` re-splits it
     exactly. Create it inside a layer's `build` with `layer.add_scaled_weight`.
     """
 
-    def __init__(self, layer, name, shape, initializer, master_dtype="float32", trainable=True):
+    def __init__(
+        self,
+        layer,
+        name,
+        shape,
+        initializer,
+        master_dtype="float32",
+        trainable=True,
+        state_dtype="float32",
+    ):
         master_dtype = standardize_dtype(master_dtype)
         if master_dtype in FP8_DTYPES or master_dtype not in MASTER_DTYPES:
             raise ValueError(
@@ -67,6 +88,7 @@ class ScaledVariable:
         data, scale = split_value(value)
         self.name = name
         self.master_dtype = master_dtype
+        self.state_dtype = standardize_dtype(state_dtype)
         self.data = layer.add_weight(
             name=name,
             shape=shape,
@@ -80,17 +102,22 @@ class ScaledVariable:
             shape=(),
             initializer=_constant(scale),
             dtype="float32",
-            trainable=False,
+            trainable=trainable,
             autocast=False,
+            overwrite_with_gradient=trainable,
         )
         self.grad_scale = layer.add_weight(
             name=f"{name}_grad_scale",
             shape=(),
             initializer="zeros",
             dtype="float32",
-            trainable=False,
+            trainable=trainable,
             autocast=False,
+            overwrite_with_gradient=trainable,
         )
+        # The optimizer finds the weight from any of its variables.
+        for v in self.variables:
+            v._ksc_scaled_variable = self
 
     @property
     def shape(self):
@@ -110,9 +137,8 @@ class ScaledVariable:
         `sqrt(sa² + sb²)`). One max over a vector: no activation statistic.
         """
         data = read_tensor(self.data)
-        scale = read_tensor(self.scale)
-        gs = read_tensor(self.grad_scale)
-        gs = ops.where(ops.greater(gs, 0.0), gs, 1.0 / scale)
+        scale = ops.stop_gradient(read_tensor(self.scale))
+        gs = effective_grad_scale(ops.stop_gradient(read_tensor(self.grad_scale)), scale)
         if not rebalance:
             return ScaledTensor(data, scale, gs)
         m = ops.stop_gradient(ops.max(ops.abs(ops.cast(data, "float32"))))

@@ -241,6 +241,8 @@ def test_compiled_model_stays_compiled():
     model.compile(optimizer="sgd", loss="mse")
     scaled = ksc.scalify(model)
     assert scaled.compiled
+    assert isinstance(scaled.optimizer, ksc.ScaledOptimizer)
+    assert isinstance(scaled.optimizer.inner_optimizer, keras.optimizers.SGD)
     loss = scaled.train_on_batch(_x((8, 8)), _x((8, 8)))
     assert np.isfinite(loss)
 

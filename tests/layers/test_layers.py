@@ -487,7 +487,7 @@ def test_fp8_sequential_trains_with_fit(policy):
     assert dense.dtype_policy.name == "scaled_fp8"
     assert dense.policy_dtype("matmul_dtype") == "float8_e4m3fn"
     assert dense.kernel.data.dtype == "float16"
-    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="mse")
+    model.compile(optimizer=ksc.ScaledOptimizer(keras.optimizers.Adam(3e-3)), loss="mse")
     history = model.fit(x, y, batch_size=32, epochs=6, verbose=0).history["loss"]
     assert np.all(np.isfinite(history)), history
     assert history[-1] < 0.6 * history[0], history

@@ -46,7 +46,7 @@ def test_state_is_zero_before_training():
 def test_delayed_statistic_persists_under_fit(statistic):
     keras.utils.set_random_seed(0)
     model = _model(statistic)
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.compile(optimizer=ksc.ScaledOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
     x = np.random.default_rng(0).standard_normal((32, 16)).astype("float32")
     y = np.random.default_rng(1).standard_normal((32, 4)).astype("float32")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
@@ -56,9 +56,9 @@ def test_delayed_statistic_persists_under_fit(statistic):
     assert state > 0.0
     assert 2.0 ** np.round(np.log2(state)) == state
     assert 2.0**-12 < state < 1.0
-    weights_before = [to_np(w) for w in model.trainable_weights if w.path.endswith("kernel")]
+    weights_before = [to_np(w) for w in model.weights if w.path.endswith("kernel")]
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    weights_after = [to_np(w) for w in model.trainable_weights if w.path.endswith("kernel")]
+    weights_after = [to_np(w) for w in model.weights if w.path.endswith("kernel")]
     assert any(np.any(a != b) for a, b in zip(weights_before, weights_after))
 
 

@@ -12,9 +12,9 @@ from tests.conftest import to_np
 
 
 def _trainable_grads(layer, x, up, scaled):
-    tv = [v for v in layer.trainable_variables if not v.path.endswith("grad_scale_state")]
+    tv = [v for v in layer.trainable_variables if not v.overwrite_with_gradient]
     ntv = list(layer.non_trainable_variables) + [
-        v for v in layer.trainable_variables if v.path.endswith("grad_scale_state")
+        v for v in layer.trainable_variables if v.overwrite_with_gradient
     ]
 
     def loss(*values):

@@ -1,0 +1,76 @@
+"""What `ScaledOptimizer` needs from Keras's optimizer internals.
+
+The wrapped (inner) Keras optimizer runs its own update rule on float32
+*stand-ins* ("ghost" variables) whose values are supplied through a
+`keras.StatelessScope`: the decoded weights and optimizer slots. Two things
+make that work on every backend:
+
+- `ghost_variable`: a Keras variable with a shape and a float32 dtype but no
+  storage (created the way Keras creates variables lazily, and never
+  initialized); outside a scope that maps it, it reads as zeros.
+- `use_generic_updates`: the backend optimizer classes route updates around
+  `Variable.assign` (TensorFlow writes to the `tf.Variable` for
+  `tf.distribute`; torch updates tensors in place with `torch._foreach_*`).
+  Binding the backend-independent `BaseOptimizer` methods on the inner
+  optimizer makes every write a `Variable.assign`, which a `StatelessScope`
+  records. EMA overwrites are selected with `ops.where` instead of
+  `ops.cond` (a TensorFlow cond branch cannot record scope updates).
+"""
+
+import types
+
+import keras
+from keras import ops
+from keras.src.backend.common import global_state
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+_GENERIC = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "_var_key",
+    "_apply_weight_decay",
+    "_backend_update_step",
+)
+
+
+def ghost_variable(shape, name, path=None):
+    """A float32 Keras variable of `shape` that holds no storage (`path`:
+    the model variable it stands for, so slots are named after it)."""
+    with keras.StatelessScope(initialize_variables=False):
+        v = keras.Variable(
+            initializer="zeros", shape=shape, dtype="float32", trainable=False, name=name
+        )
+    pending = global_state.get_global_attribute("uninitialized_variables", [])
+    if any(p is v for p in pending):
+        pending[:] = [p for p in pending if p is not v]
+    if path is not None:
+        v._path = path
+    v._ksc_ghost = True
+    return v
+
+
+def is_ghost(variable):
+    return getattr(variable, "_ksc_ghost", False)
+
+
+def use_generic_updates(optimizer):
+    """Make `optimizer` write every update through `Variable.assign`."""
+    for name in _GENERIC:
+        setattr(optimizer, name, types.MethodType(getattr(BaseOptimizer, name), optimizer))
+    optimizer._backend_apply_gradients = types.MethodType(_apply_gradients, optimizer)
+
+
+def _apply_gradients(self, grads, trainable_variables):
+    """Clip, decay, update, then EMA: Keras's order, without `ops.cond`."""
+    grads = self._clip_gradients(grads)
+    self._apply_weight_decay(trainable_variables)
+    self._backend_update_step(grads, trainable_variables, self.learning_rate)
+    if self.use_ema:
+        self._update_model_variables_moving_average(self._trainable_variables)
+        if self.ema_overwrite_frequency:
+            due = ops.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0)
+            for var, average in zip(
+                self._trainable_variables, self._model_variables_moving_average
+            ):
+                var.assign(ops.where(due, average.value, var.value))

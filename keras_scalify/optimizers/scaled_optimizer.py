@@ -1,0 +1,378 @@
+"""`ScaledOptimizer`: any Keras optimizer on scaled weights."""
+
+import keras
+import numpy as np
+from keras import ops
+from keras.src.backend import standardize_dtype
+from keras.src.optimizers import optimizer as keras_optimizer
+from keras.src.saving import serialization_lib
+from keras.src.utils import tracking
+
+from keras_scalify.backend.optimizer import ghost_variable
+from keras_scalify.backend.optimizer import is_ghost
+from keras_scalify.backend.optimizer import use_generic_updates
+from keras_scalify.layers.variable import effective_grad_scale
+from keras_scalify.layers.variable import read_tensor
+from keras_scalify.ops.rescaling import next_grad_scale
+from keras_scalify.optimizers import state
+
+STATE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@keras.saving.register_keras_serializable(package="keras_scalify")
+class ScaledOptimizer(keras_optimizer.Optimizer):
+    """Runs a Keras optimizer on the weights that scaled layers represent.
+
+    Each step, for every `ScaledVariable`:
+    1. the gradient is decoded, `G = g_data · grad_scale` (float32), and the
+       weight `W = data · scale`;
+    2. the inner optimizer's own `apply` runs on these float32 values (its
+       clipping, weight decay, learning-rate schedule, EMA, `iterations`),
+       with its slots decoded from their stored form;
+    3. the new `W` is stored back as `data × scale` with the scale unchanged
+       (moved to the data's RMS every `rescale_every` steps, exactly), in the
+       master dtype, rounded stochastically when that is float16/bfloat16;
+       slots are stored in `state_dtype`, re-scaled from their max each
+       step when that is float16/bfloat16;
+    4. the weight's gradient scale is set from this gradient's RMS, so the
+       next gradient arrives near unit RMS in data units.
+
+    If any gradient is not finite the step is skipped: weights, slots and
+    the inner optimizer's variables keep their values bit for bit and
+    `skipped_steps` counts it; gradient scales and delayed-rescaling states
+    still update, which is how they recover. Plain (unscaled) trainable
+    variables are updated by the inner optimizer as usual.
+
+    Args:
+        inner_optimizer: an unbuilt `keras.optimizers.Optimizer` (SGD, Adam,
+            AdamW, Lion, Adafactor, ...). It is owned by this optimizer.
+        state_dtype: storage of optimizer slots: "float32", "float16" or
+            "bfloat16". Default: the `state_dtype` of the scaled layers'
+            policy (float32 for plain policies).
+        rescale_every: move each weight's scale to its data's RMS every this
+            many steps (>= 1).
+        stochastic_rounding: round float16/bfloat16 master weights
+            stochastically (else to nearest, which loses updates below half
+            a unit in the last place).
+        seed: seed of the stochastic rounding.
+        name: the optimizer's name.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        state_dtype=None,
+        rescale_every=10,
+        stochastic_rounding=True,
+        seed=None,
+        name=None,
+        **kwargs,
+    ):
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer) or isinstance(
+            inner_optimizer, (ScaledOptimizer, keras.optimizers.LossScaleOptimizer)
+        ):
+            raise TypeError(
+                "`inner_optimizer` must be a Keras optimizer such as "
+                "keras.optimizers.AdamW(...) (not a ScaledOptimizer or a "
+                f"LossScaleOptimizer), got {inner_optimizer!r}."
+            )
+        if inner_optimizer.built:
+            raise ValueError(
+                "`inner_optimizer` must not be built yet: ScaledOptimizer "
+                "builds it on the decoded weights."
+            )
+        if inner_optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                "`inner_optimizer` has gradient_accumulation_steps="
+                f"{inner_optimizer.gradient_accumulation_steps}, which "
+                "ScaledOptimizer does not support."
+            )
+        if state_dtype is not None:
+            state_dtype = _check_state_dtype(state_dtype, "state_dtype")
+        if not isinstance(rescale_every, (int, np.integer)) or isinstance(rescale_every, bool) or rescale_every < 1:
+            raise ValueError(f"`rescale_every` must be an integer >= 1, got {rescale_every!r}.")
+        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        self.inner_optimizer = inner_optimizer
+        self.state_dtype = state_dtype
+        self.rescale_every = int(rescale_every)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = seed
+        self._ksc_accepts_scaled = True
+        self._inner_key = inner_optimizer._var_key
+        use_generic_updates(inner_optimizer)
+
+    # --- build ----------------------------------------------------------------
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        if self.built:
+            return
+        var_list = list(var_list)
+        resolved = self._resolve_state_dtype(var_list)
+        self._entries = []  # per variable: (kind, sv or None, inner variable)
+        inner_vars = []
+        for v in var_list:
+            sv = getattr(v, "_ksc_scaled_variable", None)
+            if sv is not None and v is sv.data:
+                ghost = ghost_variable(v.shape, v.name, v.path)
+                ghost.constraint = v.constraint
+                self._entries.append(("weight", sv, ghost))
+                inner_vars.append(ghost)
+            elif sv is not None:
+                self._entries.append(("scale", sv, None))
+            elif v.overwrite_with_gradient:
+                self._entries.append(("overwrite", None, None))
+            else:
+                self._entries.append(("plain", None, v))
+                inner_vars.append(v)
+        self._inner_vars = inner_vars
+        self._resolved_state_dtype = resolved
+        self._slots = []  # (ghost, stored data, stored scale or None)
+        inner = self.inner_optimizer
+        inner.add_variable = self._make_slot
+        try:
+            inner.build(inner_vars)
+        finally:
+            del inner.add_variable
+        self._translate_weight_decay_exclusions()
+        self._seed_generator = keras.random.SeedGenerator(self.seed)
+        self._skipped_steps = self.add_variable(
+            shape=(), initializer="zeros", dtype="int32", name="skipped_steps"
+        )
+        super().build(var_list)
+
+    def _resolve_state_dtype(self, var_list):
+        if self.state_dtype is not None:
+            return self.state_dtype
+        found = {
+            v._ksc_scaled_variable.state_dtype
+            for v in var_list
+            if getattr(v, "_ksc_scaled_variable", None) is not None
+        }
+        if len(found) > 1:
+            raise ValueError(
+                f"The scaled layers' policies ask for optimizer state in {sorted(found)}: "
+                "pass `state_dtype` to ScaledOptimizer."
+            )
+        return _check_state_dtype(found.pop() if found else "float32", "policy state_dtype")
+
+    def _make_slot(self, shape, initializer="zeros", dtype=None, aggregation="none", layout=None, name=None):
+        """Stands in for the inner optimizer's `add_variable` during its build:
+        float slots become a float32 ghost (what the inner rule sees) plus
+        stored data (and a pow2 scale) owned by this optimizer."""
+        if dtype is not None and not _is_float(dtype):
+            return type(self.inner_optimizer).add_variable(
+                self.inner_optimizer, shape, initializer, dtype, aggregation, layout, name
+            )
+        shape = tuple(shape)
+        ghost = ghost_variable(shape, name)
+        init = keras.initializers.get(initializer)
+        dtype = self._resolved_state_dtype
+
+        def encoded(part):
+            def initializer(shape, dtype=None):
+                value = ops.cast(init(shape, dtype="float32"), "float32")
+                return state.encode_slot(value, dtype_)[part]
+
+            dtype_ = dtype
+            return initializer
+
+        stored = self.add_variable(
+            shape=shape, initializer=encoded(0), dtype=dtype, aggregation=aggregation, name=name
+        )
+        stored_scale = None
+        if dtype != "float32":
+            stored_scale = self.add_variable(
+                shape=(),
+                initializer=lambda shape, dtype=None: ops.reshape(encoded(1)(tuple(ghost.shape)), shape),
+                dtype="float32",
+                aggregation=aggregation,
+                name=f"{name}_scale",
+            )
+        self._slots.append((ghost, stored, stored_scale))
+        return ghost
+
+    def _translate_weight_decay_exclusions(self):
+        """`exclude_from_weight_decay(var_list=...)` recorded model variables;
+        the inner optimizer now sees their ghosts."""
+        inner = self.inner_optimizer
+        excluded = getattr(inner, "_exclude_from_weight_decay", None)
+        if not excluded:
+            return
+        for kind, sv, v in self._entries:
+            model_var = sv.data if kind == "weight" else v
+            if kind in ("weight", "plain") and self._inner_key(model_var) in excluded:
+                excluded.add(id(v))
+
+    # --- the inner optimizer's view --------------------------------------------
+
+    @property
+    def variables(self):
+        own = list(self._variables)
+        if getattr(self, "_seed_generator", None) is not None:
+            own.append(self._seed_generator.state)
+        return own + [v for v in self.inner_optimizer.variables if not is_ghost(v)]
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for non-finite gradients."""
+        return self._skipped_steps
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    # --- apply -----------------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "ScaledOptimizer must be built (or given `trainable_variables`) "
+                    "before `apply(grads)`."
+                )
+            trainable_variables = self._trainable_variables
+        else:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+                self.built = True
+            self._check_variables_are_known(trainable_variables)
+        grads = list(grads)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"`grads` has {len(grads)} entries for {len(trainable_variables)} variables."
+            )
+        by_index = {self._get_variable_index(v): g for g, v in zip(grads, trainable_variables)}
+        with keras.name_scope(self.name, caller=self):
+            self._apply(by_index)
+
+    def _apply(self, by_index):
+        inner_grads, finite, always = [], ops.ones((), "bool"), []
+        weights = []  # (sv, ghost, value W)
+        for i, (kind, sv, v) in enumerate(self._entries):
+            g = by_index.get(i)
+            if kind == "scale":
+                continue
+            if kind == "overwrite":
+                if g is not None:
+                    always.append((self._trainable_variables[i], g))
+                continue
+            if kind == "weight":
+                scale = read_tensor(sv.scale)
+                value = state.decode(read_tensor(sv.data), scale)
+                weights.append((sv, v, value))
+                if g is not None:
+                    gs = effective_grad_scale(read_tensor(sv.grad_scale), scale)
+                    always.append((sv.grad_scale, next_grad_scale(g, gs, "l2")))
+                    g = ops.cast(g, "float32") * gs
+            if g is not None:
+                finite = ops.logical_and(finite, ops.all(ops.isfinite(g)))
+            inner_grads.append(g)
+
+        inner = self.inner_optimizer
+        mapping = [(ghost, value) for _, ghost, value in weights]
+        mapping += [(v, read_tensor(v)) for kind, _, v in self._entries if kind == "plain"]
+        mapping += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
+        inner_real = [v for v in inner.variables if not is_ghost(v)]
+        mapping += [(v, read_tensor(v)) for v in inner_real]
+        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
+            inner.apply(inner_grads, self._inner_vars)
+        new = scope.get_current_value
+
+        def commit(var, value):
+            var.assign(ops.where(finite, value, read_tensor(var)))
+
+        rescale = ops.equal(self._iterations % self.rescale_every, 0)
+        seed = self._seed_generator if self.stochastic_rounding else None
+        for sv, ghost, _ in weights:
+            data, scale = state.encode_weight(new(ghost), read_tensor(sv.scale), sv.master_dtype, rescale, seed)
+            commit(sv.data, data)
+            commit(sv.scale, scale)
+        for kind, _, v in self._entries:
+            if kind == "plain":
+                commit(v, new(v))
+        for ghost, d, s in self._slots:
+            data, scale = state.encode_slot(new(ghost), self._resolved_state_dtype)
+            commit(d, data)
+            if s is not None:
+                commit(s, scale)
+        for v in inner_real:
+            commit(v, new(v))
+        for var, value in always:
+            var.assign(value)
+        self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
+        self._iterations.assign_add(1)
+
+    def finalize_variable_values(self, var_list):
+        """With EMA: store each weight's moving average as the weight."""
+        inner = self.inner_optimizer
+        if not inner.use_ema:
+            return
+        stored = {id(g): (d, s) for g, d, s in self._slots}
+        for kind, sv, v in self._entries:
+            if kind not in ("weight", "plain"):
+                continue
+            average = inner._model_variables_moving_average[inner._get_variable_index(v)]
+            d, s = stored[id(average)]
+            value = state.decode(read_tensor(d), None if s is None else read_tensor(s))
+            if kind == "weight":
+                sv.assign(ops.convert_to_numpy(value))
+            else:
+                v.assign(value)
+
+    # --- config ----------------------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        del config["learning_rate"]
+        config.update(
+            {
+                "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+                "state_dtype": self.state_dtype,
+                "rescale_every": self.rescale_every,
+                "stochastic_rounding": self.stochastic_rounding,
+                "seed": self.seed,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = serialization_lib.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _is_float(dtype):
+    return "float" in standardize_dtype(dtype)
+
+
+def _check_state_dtype(dtype, arg):
+    name = standardize_dtype(dtype)
+    if name not in STATE_DTYPES:
+        raise ValueError(f"`{arg}` must be one of {STATE_DTYPES}, got {dtype!r}.")
+    return name
+
+
+def _constant(value):
+    value = np.asarray(value)
+
+    def init(shape, dtype=None):
+        return ops.cast(ops.convert_to_tensor(value.reshape(shape)), dtype)
+
+    return init

@@ -1,0 +1,65 @@
+"""Encoding float32 values as stored data × pow2 scale, for the optimizer.
+
+- Weights (`encode_weight`): the scale is kept between rescalings, so the
+  new data is `value / scale`; every `rescale_every` steps the scale moves
+  by `P(rms(data))` so the data returns to unit RMS (exact: a pow2 factor).
+  Low-precision data is rounded stochastically, or to nearest.
+- Optimizer slots (`encode_slot`): float32 slots are stored as they are;
+  float16/bfloat16 slots are re-split every step from their max, which
+  lands at `[2**14, 2**15)` (under float16's max 65504), so the slot keeps
+  float16's full dynamic range below its largest element: an Adam second
+  moment of 1e-10 is stored as ~1e4 × 2**-47.
+"""
+
+from keras import ops
+
+from keras_scalify.core import pow2
+from keras_scalify.core.formats import saturating_cast
+from keras_scalify.core.rounding import stochastic_cast
+
+SLOT_MAX_EXPONENT = 14
+
+
+def _valid_pow2(stat):
+    """`P(stat)` when finite and > 0, else 1."""
+    ok = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
+    return ops.where(ok, pow2.pow2_round_down(ops.where(ok, stat, 1.0)), 1.0)
+
+
+def rms(x):
+    return ops.sqrt(ops.mean(ops.square(ops.cast(x, "float32"))))
+
+
+def encode_weight(value, scale, dtype, rescale, seed=None):
+    """`(data, scale)` for the float32 weight `value`.
+
+    Args:
+        value: the new represented weight (float32).
+        scale: its current pow2 scale.
+        dtype: the master dtype of the data.
+        rescale: bool tensor: move the scale to the data's RMS this step.
+        seed: a `SeedGenerator` for stochastic rounding, or None for
+            round-to-nearest.
+    """
+    data = value / scale
+    k = ops.where(rescale, _valid_pow2(rms(data)), 1.0)
+    scale = scale * k
+    data = data / k
+    if seed is None or dtype == "float32":
+        return saturating_cast(data, dtype), scale
+    return stochastic_cast(data, dtype, seed), scale
+
+
+def encode_slot(value, dtype):
+    """`(data, scale)` for an optimizer slot; scale is None for float32."""
+    if dtype == "float32":
+        return ops.cast(value, "float32"), None
+    amax = ops.max(ops.abs(value)) if len(value.shape) else ops.abs(value)
+    scale = _valid_pow2(amax) * 2.0**-SLOT_MAX_EXPONENT
+    return saturating_cast(value / scale, dtype), scale
+
+
+def decode(data, scale):
+    """The float32 value of stored `data` (× `scale` unless it is None)."""
+    value = ops.cast(data, "float32")
+    return value if scale is None else value * scale

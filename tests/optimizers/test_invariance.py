@@ -1,0 +1,71 @@
+"""Under `scaled_float32`, ScaledOptimizer(opt) trains a scaled model to the
+same weights as `opt` trains the plain Keras model (DESIGN §10)."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_scalify as ksc
+from tests.optimizers.helpers import data
+from tests.optimizers.helpers import keras_mlp
+from tests.optimizers.helpers import represented_weights
+from tests.optimizers.helpers import scaled_mlp
+
+STEPS = 20
+BATCH = 8
+
+
+def _schedule():
+    return keras.optimizers.schedules.ExponentialDecay(3e-2, decay_steps=5, decay_rate=0.5)
+
+
+def _adamw_excluding_bias():
+    opt = keras.optimizers.AdamW(1e-2, weight_decay=0.1)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    return opt
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05),
+    # What the inner optimizer does beyond its update rule.
+    "adam_schedule_clipnorm": lambda: keras.optimizers.Adam(_schedule(), global_clipnorm=0.05),
+    "sgd_clipvalue_ema": lambda: keras.optimizers.SGD(
+        0.05, clipvalue=0.01, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=7
+    ),
+    "adamw_exclude_bias": _adamw_excluding_bias,
+    "lion": lambda: keras.optimizers.Lion(1e-3),
+    "adafactor": lambda: keras.optimizers.Adafactor(1e-2),
+}
+
+
+def _train(model, optimizer, x, y):
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return represented_weights(model)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_same_weights_as_plain_keras_after_20_steps(name):
+    x, y = data(n=STEPS * BATCH)
+    expected = _train(keras_mlp(), OPTIMIZERS[name](), x, y)
+    model = scaled_mlp("scaled_float32")
+    optimizer = ksc.ScaledOptimizer(OPTIMIZERS[name]())
+    actual = _train(model, optimizer, x, y)
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == STEPS
+    assert int(keras.ops.convert_to_numpy(optimizer.skipped_steps)) == 0
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6 * np.max(np.abs(e)))
+    # The weights moved: the test would catch an optimizer that did nothing.
+    initial = represented_weights(keras_mlp())
+    assert any(np.max(np.abs(a - i)) > 1e-4 for a, i in zip(actual, initial))
+
+
+def test_learning_rate_is_the_inner_optimizers():
+    inner = keras.optimizers.Adam(1e-3)
+    opt = ksc.ScaledOptimizer(inner)
+    opt.learning_rate = 5e-4
+    assert float(keras.ops.convert_to_numpy(inner.learning_rate)) == pytest.approx(5e-4)
+    assert opt.iterations is inner.iterations
