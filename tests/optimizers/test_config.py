@@ -1,0 +1,97 @@
+"""ScaledOptimizer: config, `.keras` files, bad arguments, plain optimizers."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_scalify as ksc
+from tests.optimizers.helpers import data
+from tests.optimizers.helpers import represented_weights
+from tests.optimizers.helpers import scaled_mlp
+from tests.optimizers.helpers import variable_values
+
+
+def test_config_round_trip():
+    opt = ksc.ScaledOptimizer(
+        keras.optimizers.AdamW(2e-3, weight_decay=0.01),
+        state_dtype="float16",
+        rescale_every=5,
+        stochastic_rounding=False,
+        seed=7,
+    )
+    config = opt.get_config()
+    clone = ksc.ScaledOptimizer.from_config(config)
+    assert isinstance(clone.inner_optimizer, keras.optimizers.AdamW)
+    assert clone.inner_optimizer.weight_decay == pytest.approx(0.01)
+    assert (clone.state_dtype, clone.rescale_every, clone.stochastic_rounding, clone.seed) == (
+        "float16", 5, False, 7,
+    )
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert isinstance(restored, ksc.ScaledOptimizer)
+
+
+def test_keras_file_keeps_optimizer_state_and_training_resumes(tmp_path):
+    x, y = data(n=64)
+    model = scaled_mlp("scaled_float32")
+    opt = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2), state_dtype="float16")
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, ksc.ScaledOptimizer)
+    assert [v.name for v in loaded.optimizer.variables] == [v.name for v in opt.variables]
+    for a, b in zip(variable_values(loaded.optimizer.variables), variable_values(opt.variables)):
+        np.testing.assert_array_equal(a, b)
+    # One more step from the same state gives the same weights.
+    model.train_on_batch(x[:16], y[:16])
+    loaded.train_on_batch(x[:16], y[:16])
+    for a, b in zip(represented_weights(loaded), represented_weights(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_plain_optimizer_on_scaled_weights_raises():
+    x, y = data(n=16)
+    model = scaled_mlp("scaled_float32")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    with pytest.raises(TypeError, match="ScaledOptimizer"):
+        model.fit(x, y, verbose=0)
+
+
+def test_plain_keras_layers_train_beside_scaled_ones():
+    x, y = data(n=32)
+    inp = keras.Input((8,))
+    hidden = ksc.layers.ScaledDense(16, dtype="scaled_float32")(ksc.layers.AsScaled()(inp))
+    plain = keras.layers.Dense(4)
+    both = keras.Model(inp, plain(ksc.layers.ToArray()(hidden)))
+    both.compile(optimizer=ksc.ScaledOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    before = plain.get_weights()[0].copy()
+    both.fit(x, y, batch_size=8, verbose=0)
+    assert np.max(np.abs(plain.get_weights()[0] - before)) > 1e-4
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"inner_optimizer": "adam"}, TypeError, "inner_optimizer"),
+        ({"rescale_every": 0}, ValueError, "rescale_every"),
+        ({"state_dtype": "float8_e4m3fn"}, ValueError, "state_dtype"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    kwargs = {"inner_optimizer": keras.optimizers.SGD(0.1), **kwargs}
+    with pytest.raises(error, match=match):
+        ksc.ScaledOptimizer(**kwargs)
+
+
+def test_wrapped_optimizers_are_refused():
+    with pytest.raises(TypeError, match="inner_optimizer"):
+        ksc.ScaledOptimizer(ksc.ScaledOptimizer(keras.optimizers.SGD(0.1)))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        ksc.ScaledOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+    built = keras.optimizers.SGD(0.1)
+    built.build([keras.Variable(np.zeros(2, "float32"))])
+    with pytest.raises(ValueError, match="built"):
+        ksc.ScaledOptimizer(built)

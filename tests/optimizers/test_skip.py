@@ -1,0 +1,75 @@
+"""Non-finite gradients: the step is skipped, bit for bit."""
+
+import keras
+import numpy as np
+
+import keras_scalify as ksc
+from tests.optimizers.helpers import data
+from tests.optimizers.helpers import scaled_mlp
+from tests.optimizers.helpers import variable_values
+
+
+def _trained_model(policy="scaled_float32", state_dtype=None):
+    x, y = data(n=32)
+    model = scaled_mlp(policy)
+    opt = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2), state_dtype=state_dtype)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 4 real steps
+    return model, opt, x, y
+
+
+def _state(model, opt):
+    """Weights (data and scale) and optimizer state; not the grad scales
+    and delayed-rescaling states, which update on every step."""
+    weights = [v for v in model.weights if "grad_scale" not in v.path]
+    # Counters of every call (skipped ones too) and the rounding seed.
+    skip = {id(opt.skipped_steps), id(opt._seed_generator.state), id(opt._iterations)}
+    return variable_values(weights + [v for v in opt.variables if id(v) not in skip])
+
+
+def _assert_skipped(model, opt, before):
+    after = _state(model, opt)
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert int(keras.ops.convert_to_numpy(opt.skipped_steps)) == 1
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 4
+
+
+def test_nan_batch_under_train_on_batch_is_skipped():
+    model, opt, x, y = _trained_model()
+    before = _state(model, opt)
+    bad = x[:8].copy()
+    bad[3, 2] = np.nan  # NaN loss and gradients
+    model.train_on_batch(bad, y[:8])
+    _assert_skipped(model, opt, before)
+    # Training goes on.
+    model.train_on_batch(x[:8], y[:8])
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 5
+
+
+def test_injected_nan_gradient_is_skipped_with_fp16_state():
+    policy = ksc.ScaledDTypePolicy(
+        compute_dtype="float16", matmul_dtype="float16", grad_dtype="float16",
+        master_dtype="float16", state_dtype="float16",
+    )
+    model, opt, _, _ = _trained_model(policy)
+    before = _state(model, opt)
+    variables = opt._trainable_variables
+    grads = [np.zeros(v.shape, "float32") for v in variables]
+    grads[0] = grads[0].copy()
+    grads[0].flat[0] = np.inf
+    opt.apply(grads, variables)
+    _assert_skipped(model, opt, before)
+
+
+def test_grad_scale_recovers_on_a_skipped_step():
+    model, opt, x, y = _trained_model()
+    kernel = model.layers[1].kernel
+    gs = float(keras.ops.convert_to_numpy(kernel.grad_scale))
+    grads = [np.zeros(v.shape, "float32") for v in opt._trainable_variables]
+    i = [id(v) for v in opt._trainable_variables].index(id(kernel.data))
+    grads[i] = np.full(kernel.shape, np.inf, "float32")
+    opt.apply(grads, opt._trainable_variables)
+    # Overflowing cotangents: the grad scale grows by 2**12.
+    assert float(keras.ops.convert_to_numpy(kernel.grad_scale)) == gs * 2.0**12
