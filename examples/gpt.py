@@ -1,6 +1,6 @@
 """A small GPT trained in FP32, FP16 and FP8 — the rows of the paper's Table 3.
 
-    KERAS_BACKEND=jax python examples/gpt.py            # all rows, ~25 min on 2 CPU cores
+    KERAS_BACKEND=jax python examples/gpt.py            # all rows, ~30 min on 2 CPU cores
     KERAS_BACKEND=jax python examples/gpt.py --quick    # one-minute smoke run
     python examples/gpt.py --text my.txt --steps 2000 --rows 0 3 keras_float8
 
@@ -247,7 +247,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description="Table 3 rows on a small byte-level GPT.")
     p.add_argument("--text", default=None, help="a text file (default: pydoc_data.topics)")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--width", type=int, default=128)

@@ -1,5 +1,8 @@
 """Scaled FP16 master weights and optimizer state (paper Table 3 #2, #4)."""
 
+import importlib.util
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -109,36 +112,24 @@ def test_fp16_adam_second_moment_does_not_underflow():
 # --- training to the same loss (MLP regression) --------------------------------
 
 
-def _regression_loss(policy, stochastic=True, epochs=10):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1024, 16)).astype("float32")
-    w1 = rng.standard_normal((16, 32)) / 4
-    w2 = rng.standard_normal((32, 4)) / 6
-    y = (np.tanh(x @ w1) @ w2).astype("float32")
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential(
-        [
-            keras.Input((16,)),
-            keras.layers.Dense(64, activation="tanh"),
-            keras.layers.Dense(64, activation="tanh"),
-            keras.layers.Dense(4),
-        ]
-    )
-    model = ksc.scalify(model, dtype=policy)
-    opt = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-4), stochastic_rounding=stochastic, seed=0)
-    model.compile(optimizer=opt, loss="mse")
-    model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
-    return model.evaluate(x, y, verbose=0)
+def _memory_benchmark():
+    """`benchmarks/memory.py`, whose regression the README table reports."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("memory_benchmark", os.path.join(root, "benchmarks", "memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_fp16_master_and_state_reach_the_fp32_master_loss():
     """Adam at lr 1e-4 makes steps below FP16's resolution of the weights:
     #2 (FP16 master) and #4 (+ FP16 state) end within 1% of #1's loss;
     without stochastic rounding #2 is measurably worse."""
-    row1 = _regression_loss(_policy("float32", "float32"))
-    row2 = _regression_loss(_policy("float16", "float32"))
-    row4 = _regression_loss(_policy("float16", "float16"))
-    row2_nearest = _regression_loss(_policy("float16", "float32"), stochastic=False)
+    bench = _memory_benchmark()
+    row1 = bench.regression_loss(_policy("float32", "float32"))
+    row2 = bench.regression_loss(_policy("float16", "float32"))
+    row4 = bench.regression_loss(_policy("float16", "float16"))
+    row2_nearest = bench.regression_loss(_policy("float16", "float32"), stochastic=False)
     assert abs(row2 / row1 - 1) < 0.01, (row1, row2)
     assert abs(row4 / row1 - 1) < 0.01, (row1, row4)
     assert row2_nearest > 1.02 * row1, (row1, row2_nearest)
