@@ -320,6 +320,9 @@ class ScaledMultiHeadAttention(ScaledLayer):
         self._dropout_layer = ScaledDropout(
             rate=self._dropout, seed=self.seed, dtype=self.dtype_policy
         )
+        # No weights; never called when dropout is 0. Left unbuilt, it would
+        # make Keras's trainers re-trace the model before every step.
+        self._dropout_layer.built = True
 
         output_shape = self._output_shape or [query_shape[-1]]
         equation, bias_axes, output_rank = _build_proj_equation(

@@ -522,3 +522,10 @@ def test_mha_wrong_query_dim(rng):
         layer(x, bad)
     with pytest.raises(ValueError, match="same rank"):
         ScaledMultiHeadAttention(num_heads=2, key_dim=8)(x, ksc.as_scaled(_randn(rng, (2, 16))))
+
+
+def test_every_sublayer_is_built_after_the_first_call(rng):
+    layer = ScaledMultiHeadAttention(num_heads=2, key_dim=4)
+    x = ksc.as_scaled(_randn(rng, (2, 8, 8)))
+    layer(x, x)
+    assert all(sub.built for sub in layer._flatten_layers(include_self=True, recursive=True))
