@@ -1,0 +1,552 @@
+"""Training-step time of scaled models vs their Keras counterparts.
+
+    KERAS_BACKEND=jax python benchmarks/step_time.py [--model mlp|gpt|both]
+        [--steps 40] [--warmup 3] [--rounds 4] [--batch-size N]
+        [--fp8-route simulate] [--rows ROW ...] [--breakdown]
+
+Two models, each built six ways and trained with Adam by
+`model.train_on_batch` on one fixed batch (no input pipeline is timed):
+
+- MLP: Input(784) -> Dense(1024, relu) -> Dense(1024, relu) -> Dense(10),
+  sparse categorical cross-entropy on logits (`--mlp-input`,
+  `--mlp-width`, `--mlp-depth`; batch 128).
+- GPT: a pre-LayerNorm decoder, token embedding -> [LN -> causal
+  MultiHeadAttention -> add -> LN -> Dense(4d, gelu) -> Dense(d) -> add] x L
+  -> LN -> output projection tied to the token embedding, next-token
+  cross-entropy (`--vocab 256 --seq-len 64 --d-model 128 --heads 4
+  --layers 2`; batch 16). No position embedding (a timing model). The
+  Keras one is built from `keras.layers` plus a small tied-projection
+  layer (`x @ embeddingsᵀ`, never quantized), the scaled one from
+  `keras_scalify.layers` (`ScaledEmbedding(..)(x, reverse=True)` is the tied
+  projection, an FP8 GEMM under `scaled_fp8`), with the same initializers.
+  (`ksc.scalify` converts an untied Keras GPT, Embedding and causal MHA
+  included, but a tied projection needs the scaled embedding's `reverse`
+  call, so the scaled GPT is written with the scaled layers.) The Keras
+  MHA takes its explicit path by default (scores materialized:
+  ScaledMultiHeadAttention's computation); `--keras-attention fused` uses
+  `ops.dot_product_attention`, which under mixed_float16 does not compile
+  on jax CPU ("precision F16_F16_F32 not supported by dot_general").
+
+Rows, each paired with its Keras counterpart:
+
+| row | model | optimizer |
+|---|---|---|
+| Keras float32 | plain | Adam |
+| scaled_float32 | scaled, `dtype="scaled_float32"` | `ScaledOptimizer(Adam())` |
+| Keras mixed_float16 | plain, global policy `mixed_float16` | Adam in Keras's `LossScaleOptimizer` (added by `compile`) |
+| scaled_fp16 | scaled, `scaled_fp16` | `ScaledOptimizer(Adam())` |
+| Keras float8 | plain float32, every Dense / EinsumDense `.quantize("float8")` (delayed scaling, E4M3 fwd / E5M2 bwd, simulated by quantize-dequantize) | Adam |
+| scaled_fp8 | scaled, `scaled_fp8` (FP8 GEMMs on `--fp8-route`, default the simulation; FP16 master weights) | `ScaledOptimizer(Adam())` |
+
+The MLP's scaled rows are `ksc.scalify(keras_mlp, dtype=...)`.
+
+Timing: every model is compiled and warmed up first (`--warmup` calls; the
+first compiles under jax / tensorflow, so compile time is excluded), then
+the rows are timed in interleaved rounds (`--rounds`, the row order rotated
+each round, `--steps` timed calls per row in all), so that changes in the
+machine's load hit every row alike. Each `train_on_batch` returns the loss
+as a Python float, so every timed call includes the device sync. The table
+gives the median ms/step and the ratio of medians to the Keras counterpart,
+with the issue's targets (scaled_float32 <= 1.15x Keras float32 on jax;
+scaled_fp8 <= 1.0x Keras float8) and whether this run meets them.
+
+A model whose stateless sublayers stay unbuilt after a train step (the
+ScaledDropout of a ScaledMultiHeadAttention with dropout=0, never called)
+makes Keras re-trace it symbolically before every `train_on_batch`; the
+script prints that cost, then marks such layers built and times the steady
+state (`--keep-unbuilt` times them as they are). `--breakdown` (jax)
+also times the jitted forward+backward and optimizer update apart.
+On torch the rows run on 1 CPU thread by default (`--torch-threads`; with
+torch's default threads a loaded 2-core machine gave 5-10x erratic times).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Run from a checkout without installing: the repository root and this
+# folder (for `fp8_matmul.device_name`) on the path.
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras import ops  # noqa: E402
+
+import keras_scalify as ksc  # noqa: E402
+from keras_scalify.backend import fp8  # noqa: E402
+
+from fp8_matmul import device_name  # noqa: E402
+
+# (row, kind, policy, Keras counterpart)
+ROWS = [
+    ("Keras float32", "keras", "float32", None),
+    ("scaled_float32", "scaled", "scaled_float32", "Keras float32"),
+    ("Keras mixed_float16", "keras", "mixed_float16", None),
+    ("scaled_fp16", "scaled", "scaled_fp16", "Keras mixed_float16"),
+    ("Keras float8", "keras_fp8", "float32", None),
+    ("scaled_fp8", "scaled", "scaled_fp8", "Keras float8"),
+]
+
+# Targets set by the issue: (row, backend or None for every backend, max ratio)
+TARGETS = {
+    "scaled_float32": ("jax", 1.15),
+    "scaled_fp8": (None, 1.0),
+}
+
+
+class policy_scope:
+    """Sets the global dtype policy (a scaled name too) for a `with` block."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.old = keras.config.dtype_policy()
+        ksc.set_dtype_policy(self.name)
+
+    def __exit__(self, *exc):
+        keras.config.set_dtype_policy(self.old)
+
+
+# --- models --------------------------------------------------------------------
+
+
+def keras_mlp(args):
+    layers = [keras.Input((args.mlp_input,))]
+    layers += [
+        keras.layers.Dense(args.mlp_width, activation="relu")
+        for _ in range(args.mlp_depth)
+    ]
+    layers.append(keras.layers.Dense(args.mlp_classes))
+    return keras.Sequential(layers, name="mlp")
+
+
+class TiedProjection(keras.layers.Layer):
+    """`x @ embeddingsᵀ` with the table of a `keras.layers.Embedding`.
+
+    The embedding layer is reached through a closure, so that this layer
+    does not track it (its table stays one variable of the model)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self._table = lambda: embedding.embeddings
+
+    def call(self, x):
+        table = ops.cast(self._table(), x.dtype)
+        return ops.matmul(x, ops.transpose(table))
+
+
+def _gpt_layers(args, scaled):
+    """Keras or keras_scalify layer classes by Keras name."""
+    L = ksc.layers if scaled else keras.layers
+    prefix = "Scaled" if scaled else ""
+    return {
+        "Embedding": getattr(L, prefix + "Embedding"),
+        "LayerNormalization": getattr(L, prefix + "LayerNormalization"),
+        "MultiHeadAttention": getattr(L, prefix + "MultiHeadAttention"),
+        "Dense": getattr(L, prefix + "Dense"),
+        "Add": getattr(L, prefix + "Add"),
+    }
+
+
+def transformer_block(x, i, args, scaled):
+    """One pre-LayerNorm block: x + attn(LN(x)), then + MLP(LN(.)), with
+    Keras layers or keras_scalify layers (`args`: d_model, heads,
+    keras_attention)."""
+    K = _gpt_layers(args, scaled)
+    d = args.d_model
+    h = K["LayerNormalization"](epsilon=1e-5, name=f"block{i}_ln1")(x)
+    attention = K["MultiHeadAttention"](
+        args.heads, d // args.heads, name=f"block{i}_attention"
+    )
+    if scaled or args.keras_attention == "fused":
+        h = attention(h, h, use_causal_mask=True)
+    else:
+        # Keras's explicit path (scores materialized), the computation
+        # ScaledMultiHeadAttention performs.
+        h, _ = attention(h, h, use_causal_mask=True, return_attention_scores=True)
+    x = K["Add"](name=f"block{i}_add1")([x, h])
+    h = K["LayerNormalization"](epsilon=1e-5, name=f"block{i}_ln2")(x)
+    h = K["Dense"](4 * d, activation="gelu", name=f"block{i}_mlp_in")(h)
+    h = K["Dense"](d, name=f"block{i}_mlp_out")(h)
+    return K["Add"](name=f"block{i}_add2")([x, h])
+
+
+def gpt(args, scaled):
+    """The GPT decoder from Keras layers or from keras_scalify layers (the
+    current global dtype policy applies)."""
+    K = _gpt_layers(args, scaled)
+    tokens = keras.Input((args.seq_len,), dtype="int32", name="tokens")
+    embedding = K["Embedding"](args.vocab, args.d_model, name="token_embedding")
+    x = embedding(tokens)
+    for i in range(args.layers):
+        x = transformer_block(x, i, args, scaled)
+    x = K["LayerNormalization"](epsilon=1e-5, name="final_ln")(x)
+    if scaled:
+        logits = ksc.layers.ToArray(name="logits")(embedding(x, reverse=True))
+    else:
+        logits = TiedProjection(embedding, name="logits")(x)
+    return keras.Model(tokens, logits, name="gpt")
+
+
+def quantize_float8(model):
+    """Keras float8 training: every Dense / EinsumDense quantized."""
+    n = 0
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense):
+            layer.quantize("float8")
+            n += 1
+    return n
+
+
+def build(model_name, kind, policy, args):
+    """A compiled model for one row."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    keras.utils.set_random_seed(0)
+    if kind == "scaled":
+        optimizer = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-4))
+        if model_name == "mlp":
+            with policy_scope("float32"):
+                model = keras_mlp(args)
+            model = ksc.scalify(model, dtype=policy)
+        else:
+            with policy_scope(policy):
+                model = gpt(args, scaled=True)
+    else:
+        optimizer = keras.optimizers.Adam(1e-4)
+        with policy_scope(policy):
+            model = keras_mlp(args) if model_name == "mlp" else gpt(args, scaled=False)
+            if kind == "keras_fp8":
+                quantize_float8(model)
+    with policy_scope(policy if kind == "keras" else "float32"):
+        # Under mixed_float16, compile wraps Adam in a LossScaleOptimizer.
+        model.compile(optimizer=optimizer, loss=loss)
+    return model
+
+
+def batch(model_name, args, batch_size):
+    rng = np.random.default_rng(0)
+    if model_name == "mlp":
+        x = rng.standard_normal((batch_size, args.mlp_input)).astype("float32")
+        y = rng.integers(0, args.mlp_classes, (batch_size,)).astype("int32")
+        return x, y
+    seq = rng.integers(0, args.vocab, (batch_size, args.seq_len + 1)).astype("int32")
+    return seq[:, :-1], seq[:, 1:]
+
+
+# --- timing --------------------------------------------------------------------
+
+
+def time_rows(models, x, y, steps, warmup, rounds):
+    """Median seconds per `train_on_batch` of each model, timed in
+    interleaved rounds (row order rotated each round) after `warmup` more
+    untimed calls each (the models have already run, and compiled, once)."""
+    losses = {}
+    for name, model in models.items():
+        for _ in range(warmup):
+            losses[name] = model.train_on_batch(x, y)
+    times = {name: [] for name in models}
+    names = list(models)
+    rounds = max(1, min(rounds, steps))
+    per_round = [steps // rounds + (r < steps % rounds) for r in range(rounds)]
+    for r, n in enumerate(per_round):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            model = models[name]
+            for _ in range(n):
+                t0 = time.perf_counter()
+                losses[name] = model.train_on_batch(x, y)
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}, losses
+
+
+def unbuilt(model):
+    """Names of the model's layers that are not built after a train step."""
+    return [
+        type(layer).__name__
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if not layer.built
+    ]
+
+
+def rebuild_cost(model, x, y, args, calls=3):
+    """Median ms of `train_on_batch` with the unbuilt layers left as they
+    are, then with them marked built (NaN with --keep-unbuilt)."""
+
+    def median_call():
+        ts = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            model.train_on_batch(x, y)
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts)) * 1e3
+
+    before = median_call()
+    if args.keep_unbuilt:
+        return before, float("nan")
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if not layer.built:
+            # Stateless (ScaledDropout in ScaledMultiHeadAttention with
+            # dropout=0, which is never called): nothing to build.
+            if layer.variables:
+                raise RuntimeError(f"{layer.name} is unbuilt and holds variables")
+            layer.built = True
+    return before, median_call()
+
+
+def jax_breakdown(model, x, y, repeats):
+    """jax only: median ms of the jitted forward+backward (loss and
+    gradients) and of the jitted optimizer update, each on its own."""
+    import jax
+
+    tv = [v.value for v in model.trainable_variables]
+    ntv = [v.value for v in model.non_trainable_variables]
+    ov = [v.value for v in model.optimizer.variables]
+
+    def loss_fn(tv, ntv, x, y):
+        out, _ = model.stateless_call(tv, ntv, x, training=True)
+        return model.loss(y, out)
+
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+    opt_fn = jax.jit(lambda ov, g, tv: model.optimizer.stateless_apply(ov, g, tv))
+    _, grads = grad_fn(tv, ntv, x, y)
+
+    def median_ms(fn, *a):
+        jax.block_until_ready(fn(*a))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts)) * 1e3
+
+    return median_ms(grad_fn, tv, ntv, x, y), median_ms(opt_fn, ov, grads, tv)
+
+
+def target_text(row, backend, ratio):
+    if row not in TARGETS:
+        return "", ""
+    target_backend, bound = TARGETS[row]
+    where = f" on {target_backend}" if target_backend else ""
+    text = f"<= {bound:.2f}x{where}"
+    if target_backend is not None and target_backend != backend:
+        return text, "n/a (other backend)"
+    return text, "met" if ratio <= bound else "NOT met"
+
+
+def describe(model_name, args, batch_size):
+    if model_name == "mlp":
+        return (
+            f"MLP {args.mlp_input} -> "
+            + " -> ".join([f"Dense({args.mlp_width}, relu)"] * args.mlp_depth)
+            + f" -> Dense({args.mlp_classes}), batch {batch_size}"
+        )
+    attention = (
+        "Keras MHA on its fused dot_product_attention path"
+        if args.keras_attention == "fused"
+        else "Keras MHA on its explicit path, as ScaledMultiHeadAttention"
+    )
+    return (
+        f"GPT vocab {args.vocab}, seq {args.seq_len}, d {args.d_model}, "
+        f"{args.heads} heads, {args.layers} layers, tied output projection, "
+        f"batch {batch_size} ({attention})"
+    )
+
+
+def run_model(model_name, args):
+    """Builds, warms up and times every row; prints the table. Returns
+    `{row: (ms per step or None, ratio or None)}`."""
+    backend = keras.config.backend()
+    batch_size = args.batch_size or (128 if model_name == "mlp" else 16)
+    x, y = batch(model_name, args, batch_size)
+    rows = [r for r in ROWS if args.rows is None or r[0] in args.rows]
+    models, errors, unbuilt_notes = {}, {}, {}
+    with fp8.fp8_route(args.fp8_route):
+        for row, kind, policy, _ in rows:
+            try:
+                model = build(model_name, kind, policy, args)
+                model.train_on_batch(x, y)  # compiles: a failure shows here
+                models[row] = model
+            except Exception as e:  # a row that cannot run is reported
+                errors[row] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                continue
+            unbuilt_layers = unbuilt(model)
+            if unbuilt_layers:
+                unbuilt_notes[row] = (unbuilt_layers, rebuild_cost(model, x, y, args))
+        med, losses = time_rows(models, x, y, args.steps, args.warmup - 1, args.rounds)
+        breakdown = {}
+        if args.breakdown and backend == "jax":
+            for row, model in models.items():
+                breakdown[row] = jax_breakdown(model, x, y, max(args.steps // 2, 3))
+    routes = sorted(
+        {
+            str(layer.fp8_route)
+            for layer in (
+                models["scaled_fp8"]._flatten_layers(recursive=True)
+                if "scaled_fp8" in models
+                else []
+            )
+            if getattr(layer, "fp8_route", None)
+        }
+    )
+    base = models.get("Keras float32") or next(iter(models.values()), None)
+    params = keras_params(base) if base is not None else "?"
+    print(
+        f"\n### {describe(model_name, args, batch_size)}: {params} parameters, Adam\n\n"
+        f"backend: {backend}; device: {device_name()}{threads_text()}; "
+        f"keras {keras.__version__}; "
+        f"median of {args.steps} train_on_batch steps per row ({args.rounds} "
+        f"interleaved rounds, after >= {args.warmup} warm-up steps incl. compilation); "
+        f"scaled_fp8 GEMM route: {', '.join(routes) or 'n/a'}\n"
+    )
+    print("| row | ms/step | ratio vs Keras counterpart | target | met |")
+    print("|---|---|---|---|---|")
+    results = {}
+    for row, _, _, counterpart in rows:
+        if row in errors:
+            print(f"| {row} | failed | {errors[row]} | | |")
+            results[row] = (None, None)
+            continue
+        ms = med[row] * 1e3
+        ratio, target, met = None, "", ""
+        if counterpart is None:
+            ratio_text = "baseline"
+        elif counterpart in med:
+            ratio = med[row] / med[counterpart]
+            ratio_text = f"{ratio:.2f}x {counterpart}"
+            target, met = target_text(row, backend, ratio)
+        else:
+            ratio_text = f"n/a ({counterpart} did not run)"
+        results[row] = (ms, ratio)
+        print(f"| {row} | {ms:.2f} | {ratio_text} | {target} | {met} |")
+    for row, (names, (before, after)) in unbuilt_notes.items():
+        print(
+            f"\nnote ({row}): {len(names)} sublayer(s) stay unbuilt after training "
+            f"({', '.join(sorted(set(names)))}); Keras's jax and torch trainers "
+            f"(and TensorFlow's under a distribution strategy) then re-trace the "
+            f"model symbolically (`_symbolic_build`) before every train_on_batch: "
+            f"{before:.0f} ms/step before vs {after:.0f} ms/step after marking them "
+            + (
+                "built; the table times them as is (--keep-unbuilt)."
+                if args.keep_unbuilt
+                else "built, which the table uses (steady state; pass --keep-unbuilt "
+                "to time them as is)."
+            )
+        )
+    bad = [
+        row
+        for row, loss in losses.items()
+        if not np.all(np.isfinite(np.asarray(loss, dtype=np.float64)))
+    ]
+    if bad:
+        print(f"\nnon-finite loss in: {', '.join(bad)}")
+    if args.breakdown:
+        if backend != "jax":
+            print("\n(--breakdown is implemented on jax only)")
+        else:
+            print(
+                "\njax breakdown, each part jitted on its own (medians; the fused "
+                "train step can differ from the sum):\n"
+            )
+            print("| row | forward+backward ms | optimizer update ms | sum | train_on_batch ms |")
+            print("|---|---|---|---|---|")
+            for row, (fb, op) in breakdown.items():
+                print(f"| {row} | {fb:.2f} | {op:.2f} | {fb + op:.2f} | {med[row] * 1e3:.2f} |")
+    return results
+
+
+def threads_text():
+    if keras.config.backend() != "torch":
+        return ""
+    import torch
+
+    return f", torch threads {torch.get_num_threads()}"
+
+
+def keras_params(model):
+    return sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Training-step time, scaled vs Keras")
+    p.add_argument("--model", choices=["mlp", "gpt", "both"], default="both")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per row")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps per row (>= 1; the first compiles)"
+    )
+    p.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="default: 128 (MLP), 16 (GPT)"
+    )
+    p.add_argument(
+        "--fp8-route",
+        choices=["auto", "native", "simulate"],
+        default="simulate",
+        help="FP8 GEMM route of the scaled_fp8 rows (default: the simulation, "
+        "as Keras float8's quantize-dequantize)",
+    )
+    p.add_argument(
+        "--rows", nargs="+", default=None, choices=[r[0] for r in ROWS], metavar="ROW",
+        help="run only these rows (quoted names, e.g. 'Keras float32' scaled_float32)",
+    )
+    p.add_argument(
+        "--keep-unbuilt", action="store_true",
+        help="time models whose stateless sublayers stay unbuilt as they are "
+        "(Keras then re-traces the model on every train_on_batch)",
+    )
+    p.add_argument(
+        "--breakdown", action="store_true",
+        help="jax only: also time forward+backward and the optimizer update apart",
+    )
+    p.add_argument(
+        "--torch-threads", type=int, default=1,
+        help="torch only: torch.set_num_threads for every row (default 1: on a "
+        "shared CPU, torch's 2+ OpenMP threads spin-wait and make the timings "
+        "erratic; 0 keeps torch's own choice)",
+    )
+    p.add_argument("--mlp-input", type=int, default=784)
+    p.add_argument("--mlp-width", type=int, default=1024)
+    p.add_argument("--mlp-depth", type=int, default=2)
+    p.add_argument("--mlp-classes", type=int, default=10)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument(
+        "--keras-attention", choices=["explicit", "fused"], default="explicit",
+        help="Keras MHA path of the Keras GPT rows: 'explicit' (scores "
+        "materialized, the computation ScaledMultiHeadAttention does; default) "
+        "or 'fused' (ops.dot_product_attention; under mixed_float16 it fails "
+        "to compile on jax CPU)",
+    )
+    args = p.parse_args(argv)
+    if args.d_model % args.heads:
+        p.error("--d-model must be a multiple of --heads")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1 (the first step compiles)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    models = ["mlp", "gpt"] if args.model == "both" else [args.model]
+    if not (args.torch_threads and keras.config.backend() == "torch"):
+        return {m: run_model(m, args) for m in models}
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.torch_threads)
+    try:
+        return {m: run_model(m, args) for m in models}
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    main()

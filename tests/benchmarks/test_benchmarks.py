@@ -1,0 +1,108 @@
+"""Smoke tests of `benchmarks/step_time.py` and `benchmarks/stats_count.py`
+on the current backend, with tiny sizes (seconds, not minutes)."""
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name):
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def step_time():
+    return _load("step_time")
+
+
+@pytest.fixture(scope="module")
+def stats_count():
+    return _load("stats_count")
+
+
+TINY = ["--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "4"]
+
+
+def _table_rows(text):
+    """`{row name: [cells]}` of the markdown table rows in `text`."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_step_time_mlp(step_time, capsys):
+    results = step_time.main(
+        ["--model", "mlp", "--mlp-input", "8", "--mlp-width", "16", *TINY]
+    )
+    out = capsys.readouterr().out
+    assert "backend: " in out and "device: " in out
+    rows = _table_rows(out)
+    assert "ms/step" in rows["row"]
+    names = [r[0] for r in step_time.ROWS]
+    assert set(names) <= set(rows)
+    for name, _, _, counterpart in step_time.ROWS:
+        ms, ratio = results["mlp"][name]
+        assert ms is not None and ms > 0, (name, rows[name])
+        assert float(rows[name][0]) > 0
+        if counterpart is not None:
+            assert re.match(rf"\d+\.\d\dx {counterpart}$", rows[name][1]), rows[name]
+            assert ratio > 0
+    # The issue's targets are printed next to their ratios.
+    assert rows["scaled_float32"][2] == "<= 1.15x on jax"
+    assert rows["scaled_float32"][3] in ("met", "NOT met", "n/a (other backend)")
+    assert rows["scaled_fp8"][2] == "<= 1.00x"
+    assert rows["scaled_fp8"][3] in ("met", "NOT met")
+
+
+def test_step_time_gpt(step_time, capsys):
+    # Two rows keep the (jax / tensorflow) compile time of the test short.
+    results = step_time.main(
+        [
+            "--model", "gpt", "--vocab", "16", "--seq-len", "4", "--d-model", "8",
+            "--heads", "2", "--layers", "1", *TINY,
+            "--rows", "Keras float32", "scaled_float32",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "tied output projection" in out
+    rows = _table_rows(out)
+    assert rows["Keras float32"][1] == "baseline"
+    assert rows["scaled_float32"][1].endswith("x Keras float32")
+    assert "Keras float8" not in rows
+    ms, ratio = results["gpt"]["scaled_float32"]
+    assert ms > 0 and ratio > 0
+
+
+def test_stats_count(stats_count, capsys):
+    result = stats_count.main(
+        ["--d-model", "8", "--heads", "2", "--seq-len", "4", "--amax-history-length", "16"]
+    )
+    out = capsys.readouterr().out
+    assert "backend: " in out
+    assert "Target (issue): at most 2" in out
+    rows = _table_rows(out)
+    from_model = [k for k in rows if "from the model" in k]
+    measured = [k for k in rows if k.startswith("**activation") and "measured" in k]
+    assert from_model and measured
+    # Keras float8: inputs + output-gradient amax per quantized GEMM (6 in a
+    # block: query, key, value, attention output, 2 MLP Dense).
+    assert rows[from_model[0]] == ["12", "2"]
+    assert rows[measured[0]] == ["12", "2"]
+    assert result["target_met"]
+    # Scaling state per Dense: 3 scales + 3 amax histories of 1024 float32
+    # for Keras float8; a float32 scale and grad scale per scaled weight.
+    assert result["keras_dense_bytes"] == 3 * 4 + 3 * 4 * 1024
+    assert result["scaled_kernel_bytes"] == 8
+    assert result["scaled_dense_bytes"] == 16
+    assert any("amax history 16" in k for k in rows)
