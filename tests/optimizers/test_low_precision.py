@@ -15,14 +15,18 @@ from tests.conftest import rms
 from tests.conftest import to_np
 
 
+def _memory_benchmark():
+    """`benchmarks/memory.py`, whose regression the README table reports."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("memory_benchmark", os.path.join(root, "benchmarks", "memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _policy(master, state):
-    return ksc.ScaledDTypePolicy(
-        compute_dtype="float16",
-        matmul_dtype="float16",
-        grad_dtype="float16",
-        master_dtype=master,
-        state_dtype=state,
-    )
+    """FP16 matmuls and gradients with the given master and state dtypes."""
+    return _memory_benchmark().policy(master, state)
 
 
 def _f64(x):
@@ -110,15 +114,6 @@ def test_fp16_adam_second_moment_does_not_underflow():
 
 
 # --- training to the same loss (MLP regression) --------------------------------
-
-
-def _memory_benchmark():
-    """`benchmarks/memory.py`, whose regression the README table reports."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("memory_benchmark", os.path.join(root, "benchmarks", "memory.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_fp16_master_and_state_reach_the_fp32_master_loss():
