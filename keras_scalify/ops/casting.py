@@ -10,6 +10,10 @@
 
 A ScaledTensor keeps its scale and grad scale: the cast acts on `data`,
 which is why gradients must be near unit scale in data units.
+
+A cast to the dtype the data already has rounds nothing and is the
+identity (no pass over the tensor): non-finite values stay as they are, so
+an overflowed gradient still reaches the optimizer's skip check.
 """
 
 from keras import ops
@@ -62,12 +66,21 @@ def _backward_fn(dtype):
     return fn
 
 
+def _dtype_of(x):
+    if is_scaled(x) or hasattr(x, "dtype"):
+        return standardize_dtype(x.dtype)
+    return None
+
+
 def cast_on_forward(x, dtype):
     """Saturating cast of `x` (its data) to `dtype` in the forward pass;
     identity on the gradient. Scale rule: unchanged."""
     check_input("x", x)
     get_format(dtype)
-    fn = _forward_fn(standardize_dtype(dtype))
+    dtype = standardize_dtype(dtype)
+    if _dtype_of(x) == dtype:
+        return x
+    fn = _forward_fn(dtype)
     if is_scaled(x):
         return ScaledTensor(fn(x.data), x.scale, x.grad_scale)
     return fn(ops.convert_to_tensor(x))
@@ -78,7 +91,10 @@ def cast_on_backward(x, dtype):
     saturating cast to `dtype` in the backward pass. Scale rule: unchanged."""
     check_input("x", x)
     get_format(dtype)
-    fn = _backward_fn(standardize_dtype(dtype))
+    dtype = standardize_dtype(dtype)
+    if _dtype_of(x) == dtype:
+        return x
+    fn = _backward_fn(dtype)
     if is_scaled(x):
         return ScaledTensor(fn(x.data), x.scale, x.grad_scale)
     return fn(ops.convert_to_tensor(x))
