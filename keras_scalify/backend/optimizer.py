@@ -2,8 +2,8 @@
 
 The wrapped (inner) Keras optimizer runs its own update rule on float32
 *stand-ins* ("ghost" variables) whose values are supplied through a
-`keras.StatelessScope`: the decoded weights and optimizer slots. Two things
-make that work on every backend:
+`keras.StatelessScope`: the decoded weights and optimizer slots. Three
+things make that work on every backend:
 
 - `ghost_variable`: a Keras variable with a shape and a float32 dtype but no
   storage (created the way Keras creates variables lazily, and never
@@ -15,7 +15,14 @@ make that work on every backend:
   optimizer makes every write a `Variable.assign`, which a `StatelessScope`
   records. EMA overwrites are selected with `ops.where` instead of
   `ops.cond` (a TensorFlow cond branch cannot record scope updates).
+- `GuardedScope`: a `keras.StatelessScope` whose every recorded update is
+  `where(guard, new, old)`. A skipped step then leaves the inner
+  optimizer's slots unchanged *within* the update, so its weight update
+  reads the very slot values that are stored (XLA updates donated buffers
+  in place: a weight update reading the unselected slots next to the
+  stored ones cost a copy of every slot per step).
 """
+
 
 import types
 
@@ -59,6 +66,22 @@ def use_generic_updates(optimizer):
     for name in _GENERIC:
         setattr(optimizer, name, types.MethodType(getattr(BaseOptimizer, name), optimizer))
     optimizer._backend_apply_gradients = types.MethodType(_apply_gradients, optimizer)
+
+
+class GuardedScope(keras.StatelessScope):
+    """A `keras.StatelessScope` that keeps each variable's current value
+    where the bool tensor `guard` is false."""
+
+    def __init__(self, guard, state_mapping=None, **kwargs):
+        super().__init__(state_mapping=state_mapping, **kwargs)
+        self.guard = guard
+
+    def add_update(self, update):
+        variable, value = update
+        old = self.get_current_value(variable)
+        if old is not None:
+            value = ops.where(self.guard, value, old)
+        super().add_update((variable, value))
 
 
 def _apply_gradients(self, grads, trainable_variables):

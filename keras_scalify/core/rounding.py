@@ -12,6 +12,13 @@ Done on the float32 bit pattern: add uniform random integers below
 next representable value exactly when the random draw is below the
 discarded fraction. Exact for every normal target value; values in
 float16's subnormal range (|x| < 2**-14) then round to nearest.
+
+The random integers come from `random_bits`, a counter-based hash of each
+element's index and a 32-bit key, in int32 `keras.ops`: one pass of
+integer arithmetic that fuses with the cast, the same bits on every
+backend. (`keras.random.randint` on JAX's default threefry generator took
+10.8 ms per million elements on the 2-core CPU, the hash 0.33 ms: on a
+1.9M-parameter model that was most of the optimizer's step.)
 """
 
 import keras
@@ -22,15 +29,58 @@ from keras_scalify.core.formats import get_format
 
 DROPPED_BITS = {"float16": 13, "bfloat16": 16}
 
+# The multipliers of Chris Wellons's `lowbias32` integer hash and the
+# 32-bit golden-ratio constant, as signed int32 (same low 32 bits).
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B - (1 << 32)
+_GOLDEN = 0x9E3779B9 - (1 << 32)
 
-def stochastic_cast(x, dtype, seed=None):
+
+def _shift_right(x, n):
+    """Logical right shift of int32 `x` by `n` bits."""
+    return ops.bitwise_and(ops.right_shift(x, n), (1 << (32 - n)) - 1)
+
+
+def hash32(x):
+    """`lowbias32`: a bijective avalanche hash of int32 `x` (wrapping
+    int32 arithmetic, bit-identical on every backend)."""
+    x = ops.bitwise_xor(x, _shift_right(x, 16))
+    x = ops.multiply(x, _M1)
+    x = ops.bitwise_xor(x, _shift_right(x, 15))
+    x = ops.multiply(x, _M2)
+    return ops.bitwise_xor(x, _shift_right(x, 16))
+
+
+def random_bits(shape, key):
+    """Uniform random int32 bit patterns of `shape` for an int32 scalar
+    `key`: two rounds of `hash32` over each element's flat index mixed
+    with the key. Different keys give independent patterns."""
+    key = ops.cast(key, "int32")
+    size = 1
+    for d in shape:
+        size *= int(d)
+    index = ops.reshape(ops.arange(size, dtype="int32"), shape)
+    k = hash32(key)
+    x = hash32(ops.add(ops.multiply(index, _GOLDEN), k))
+    return hash32(ops.bitwise_xor(x, ops.add(k, _GOLDEN)))
+
+
+def draw_key(seed):
+    """One int32 key from a `keras.random.SeedGenerator` or an int seed."""
+    return keras.random.randint((), -(2**31), 2**31 - 1, dtype="int32", seed=seed)
+
+
+def stochastic_cast(x, dtype, seed=None, key=None):
     """Cast float32 `x` to `dtype` (float16 or bfloat16) with stochastic
     rounding, saturating at the format's max; float32 is returned as is.
 
     Args:
         x: a float tensor.
         dtype: "float16", "bfloat16" or "float32".
-        seed: a `keras.random.SeedGenerator` or an int (as `keras.random`).
+        seed: a `keras.random.SeedGenerator` or an int (as `keras.random`),
+            from which one key is drawn; ignored when `key` is given.
+        key: an int32 scalar tensor: the random bits are
+            `random_bits(x.shape, key)`.
     """
     dtype = standardize_dtype(dtype)
     x = ops.cast(x, "float32")
@@ -40,9 +90,11 @@ def stochastic_cast(x, dtype, seed=None):
         raise ValueError(
             f"`dtype` must be float16, bfloat16 or float32, got {dtype!r}."
         )
+    if key is None:
+        key = draw_key(seed)
     k = DROPPED_BITS[dtype]
     big = get_format(dtype).max
     bits = ops.view(ops.clip(x, -big, big), "int32")
-    noise = keras.random.randint(ops.shape(x), 0, 2**k, dtype="int32", seed=seed)
+    noise = _shift_right(random_bits(tuple(x.shape), key), 32 - k)
     bits = ops.bitwise_and(ops.add(bits, noise), -(2**k))
     return ops.cast(ops.view(bits, "float32"), dtype)

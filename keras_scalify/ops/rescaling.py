@@ -84,7 +84,12 @@ def next_grad_scale(g, g_out, statistic):
     """The grad scale for the next step from this step's cotangent `g`
     (in `g_out` units): `P(g_out·stat(g))`; `g_out·2**-12` if every value is
     0; `g_out·2**12` if the statistic is not finite."""
-    stat = data_statistic(g, statistic)
+    return grad_scale_from_statistic(data_statistic(g, statistic), g_out)
+
+
+def grad_scale_from_statistic(stat, g_out):
+    """`next_grad_scale` from an already measured statistic `stat` (float32
+    scalar) of a cotangent in `g_out` units."""
     finite = ops.isfinite(stat)
     e_out = pow2.pow2_exponent(g_out)
     e_stat = pow2.pow2_exponent(ops.where(finite, stat, ops.ones_like(stat)))

@@ -10,10 +10,12 @@ from keras.src.utils import tracking
 
 from keras_scalify.backend.optimizer import ghost_variable
 from keras_scalify.backend.optimizer import is_ghost
+from keras_scalify.backend.optimizer import GuardedScope
 from keras_scalify.backend.optimizer import use_generic_updates
 from keras_scalify.layers.variable import effective_grad_scale
 from keras_scalify.layers.variable import read_tensor
-from keras_scalify.ops.rescaling import next_grad_scale
+from keras_scalify.ops.rescaling import data_statistic
+from keras_scalify.ops.rescaling import grad_scale_from_statistic
 from keras_scalify.optimizers import state
 
 STATE_DTYPES = ("float32", "float16", "bfloat16")
@@ -276,9 +278,14 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 weights.append((sv, v, value))
                 if g is not None:
                     gs = effective_grad_scale(read_tensor(sv.grad_scale), scale)
-                    always.append((sv.grad_scale, next_grad_scale(g, gs, "l2")))
+                    # One reduction per gradient: its RMS calibrates the
+                    # grad scale and, in true units, decides the skip (a
+                    # NaN, an inf or a float32 overflow of the norm).
+                    stat = data_statistic(g, "l2")
+                    always.append((sv.grad_scale, grad_scale_from_statistic(stat, gs)))
+                    finite = ops.logical_and(finite, ops.isfinite(stat * gs))
                     g = ops.cast(g, "float32") * gs
-            if g is not None:
+            elif g is not None:
                 finite = ops.logical_and(finite, ops.all(ops.isfinite(g)))
             inner_grads.append(g)
 
@@ -288,7 +295,9 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         mapping += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
         inner_real = [v for v in inner.variables if not is_ghost(v)]
         mapping += [(v, read_tensor(v)) for v in inner_real]
-        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
+        # Every value the inner optimizer writes is already selected by
+        # `finite`; only re-encoded values are selected again.
+        with GuardedScope(finite, state_mapping=mapping, initialize_variables=False) as scope:
             inner.apply(inner_grads, self._inner_vars)
         new = scope.get_current_value
 
@@ -296,25 +305,44 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             var.assign(ops.where(finite, value, read_tensor(var)))
 
         rescale = ops.equal(self._iterations % self.rescale_every, 0)
-        seed = self._seed_generator if self.stochastic_rounding else None
-        for sv, ghost, _ in weights:
-            data, scale = state.encode_weight(new(ghost), read_tensor(sv.scale), sv.master_dtype, rescale, seed)
+        new_scales = [
+            read_tensor(sv.scale) * state.rescale_factor(read_tensor(sv.data), rescale)
+            for sv, _, _ in weights
+        ]
+        keys = self._rounding_keys(weights)
+        for (sv, ghost, _), key, scale in zip(weights, keys, new_scales):
+            data, scale = state.encode_weight(new(ghost), scale, sv.master_dtype, key)
             commit(sv.data, data)
             commit(sv.scale, scale)
         for kind, _, v in self._entries:
             if kind == "plain":
-                commit(v, new(v))
+                v.assign(new(v))
         for ghost, d, s in self._slots:
             data, scale = state.encode_slot(new(ghost), self._resolved_state_dtype)
+            if s is None:  # float32: stored as computed
+                d.assign(data)
+                continue
             commit(d, data)
-            if s is not None:
-                commit(s, scale)
+            commit(s, scale)
         for v in inner_real:
-            commit(v, new(v))
+            v.assign(new(v))
         for var, value in always:
             var.assign(value)
         self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
         self._iterations.assign_add(1)
+
+    def _rounding_keys(self, weights):
+        """One int32 stochastic-rounding key per weight (None: round to
+        nearest), all drawn at once from the seed generator."""
+        rounded = [
+            self.stochastic_rounding and sv.master_dtype != "float32" for sv, _, _ in weights
+        ]
+        if not any(rounded):
+            return [None] * len(weights)
+        keys = keras.random.randint(
+            (len(weights),), -(2**31), 2**31 - 1, dtype="int32", seed=self._seed_generator
+        )
+        return [keys[i] if r else None for i, r in enumerate(rounded)]
 
     def finalize_variable_values(self, var_list):
         """With EMA: store each weight's moving average as the weight."""

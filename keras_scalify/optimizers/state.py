@@ -2,7 +2,9 @@
 
 - Weights (`encode_weight`): the scale is kept between rescalings, so the
   new data is `value / scale`; every `rescale_every` steps the scale moves
-  by `P(rms(data))` so the data returns to unit RMS (exact: a pow2 factor).
+  by `P(rms(data))` of the stored data (`rescale_factor`, read before the
+  update, so that the update stays one pass over the weight) and the data
+  returns to unit RMS (exact: a pow2 factor).
   Low-precision data is rounded stochastically, or to nearest.
 - Optimizer slots (`encode_slot`): float32 slots are stored as they are;
   float16/bfloat16 slots are re-split every step from their max, which
@@ -30,24 +32,31 @@ def rms(x):
     return ops.sqrt(ops.mean(ops.square(ops.cast(x, "float32"))))
 
 
-def encode_weight(value, scale, dtype, rescale, seed=None):
-    """`(data, scale)` for the float32 weight `value`.
+def rescale_factor(data, rescale):
+    """`P(rms(data))` of the stored `data` when the bool tensor `rescale`
+    is true, else 1; the RMS is only computed on such steps."""
+    return ops.cond(
+        rescale, lambda: _valid_pow2(rms(data)), lambda: ops.ones((), "float32")
+    )
+
+
+def encode_weight(value, scale, dtype, key=None):
+    """`(data, scale)` for the float32 weight `value` with the pow2 `scale`
+    (the current scale times `rescale_factor`): `data = value / scale`.
 
     Args:
         value: the new represented weight (float32).
-        scale: its current pow2 scale.
+        scale: its pow2 scale.
         dtype: the master dtype of the data.
-        rescale: bool tensor: move the scale to the data's RMS this step.
-        seed: a `SeedGenerator` for stochastic rounding, or None for
-            round-to-nearest.
+        key: an int32 scalar key for stochastic rounding
+            (`core.rounding.random_bits`), or None for round-to-nearest.
     """
     data = value / scale
-    k = ops.where(rescale, _valid_pow2(rms(data)), 1.0)
-    scale = scale * k
-    data = data / k
-    if seed is None or dtype == "float32":
+    if dtype == "float32":
+        return data, scale
+    if key is None:
         return saturating_cast(data, dtype), scale
-    return stochastic_cast(data, dtype, seed), scale
+    return stochastic_cast(data, dtype, key=key), scale
 
 
 def encode_slot(value, dtype):

@@ -136,19 +136,20 @@ def test_fp16_master_and_state_reach_the_fp32_master_loss():
 def test_weights_rescale_to_unit_rms_every_n_steps():
     layer = _ones_layer(_policy("float16", "float32"))
     kernel = layer.kernel
-    opt = ksc.ScaledOptimizer(keras.optimizers.SGD(1.0), rescale_every=3, stochastic_rounding=False)
-    g = np.full((64, 64), 0.75, np.float32)  # weights 1, 0.25, -0.5, -1.25, -2
+    opt = ksc.ScaledOptimizer(keras.optimizers.SGD(1.0), rescale_every=2, stochastic_rounding=False)
+    g = np.full((64, 64), 0.75, np.float32)  # weights 1, 0.25, -0.5, -1.25, -2, -2.75
     scales = []
-    for _ in range(4):
+    for _ in range(5):
         gs = float(to_np(kernel.grad_scale)) or 1.0 / float(to_np(kernel.scale))
         before = kernel.numpy().astype(np.float64)
         opt.apply([g / gs], [kernel.data])
         after = kernel.numpy().astype(np.float64)
         np.testing.assert_allclose(after, before - 0.75, rtol=0, atol=0)  # exact
         scales.append(float(to_np(kernel.scale)))
-    # Steps 0 and 3 rescale: |w| = 0.25 -> scale 2**-2; then |w| = 2 -> 2.
-    assert scales == [0.25, 0.25, 0.25, 2.0]
-    assert 1.0 <= rms(to_np(kernel.data)) < 2.0
+    # Steps 0, 2 and 4 move the scale by P(rms) of the stored data before
+    # the update: |d| = 1 -> x1; |d| = 0.5 -> x0.5; |d| = 2 / 0.5 = 4 -> x4.
+    assert scales == [1.0, 1.0, 0.5, 0.5, 2.0]
+    assert 1.0 <= rms(to_np(kernel.data)) < 2.0  # 2.75 / 2
 
 
 def test_grad_scale_is_calibrated_from_the_gradient_rms():
