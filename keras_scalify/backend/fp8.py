@@ -1,10 +1,11 @@
 """FP8 GEMMs behind one dispatch: a route per backend.
 
-`fp8_einsum(equation, a, b, forward_dtype, backward_dtype, route)` computes
-`einsum(equation, q(a), q(b))` with `q` a saturating cast to
-`forward_dtype` (E4M3), float32 accumulation and a float32 output. Its
-gradient quantizes the cotangent to `backward_dtype` (E5M2) and runs the two
-backward GEMMs (E5M2 × E4M3) through the same route.
+`fp8_gemms(equation, a_shape, b_shape, forward_dtype, backward_dtype,
+route)` gives the three GEMMs of `einsum(equation, q(a), q(b))`, with `q` a
+saturating cast to `forward_dtype` (E4M3), float32 accumulation and float32
+outputs; the two backward GEMMs quantize the output cotangent to
+`backward_dtype` (E5M2). `keras_scalify.ops.fp8_einsum` runs them under one
+custom gradient, with the scale rule's pow2 factors.
 
 Routes (`resolve_route` picks one; `"auto"` prefers native):
 - `jax-dot_general-fp8`: `jnp.einsum` on FP8 operands with
@@ -23,8 +24,15 @@ Routes (`resolve_route` picks one; `"auto"` prefers native):
 import contextlib
 
 import keras
+import numpy as np
 from keras import ops
 
+from keras_scalify.backend.gemm import MATMUL_2D
+from keras_scalify.backend.gemm import Gemms
+from keras_scalify.backend.gemm import as_matmul
+from keras_scalify.backend.gemm import flattened
+from keras_scalify.backend.gemm import grad_equations
+from keras_scalify.backend.gemm import is_2d
 from keras_scalify.core.formats import saturating_cast
 
 ROUTES = ("auto", "native", "simulate")
@@ -163,16 +171,6 @@ def _gemm_torch(equation, a, b, da, db):
     return out.reshape(*a8.shape[:-1], b8.shape[-1])
 
 
-def _torch_backward(a, b, g, fwd, bwd):
-    """The two backward GEMMs, E5M2 cotangent × E4M3 operand."""
-    a8 = saturating_cast(a, fwd).reshape(-1, a.shape[-1])
-    b8 = saturating_cast(b, fwd)
-    g8 = saturating_cast(g, bwd).reshape(-1, g.shape[-1])
-    ga = _torch_mm(g8, b8.t()).reshape(*a.shape)
-    gb = _torch_mm(a8.t(), g8)
-    return ga, gb
-
-
 _GEMMS = {
     "simulate": _gemm_simulate,
     "jax-dot_general-fp8": _gemm_jax,
@@ -181,40 +179,52 @@ _GEMMS = {
 }
 
 
-def _grad_equations(equation):
-    ins, out = equation.replace(" ", "").split("->")
-    a, b = ins.split(",")
-    for name, term, others in (("x1", a, b + out), ("x2", b, a + out)):
-        missing = [c for c in term if c not in others]
-        if missing or "." in term:
-            raise ValueError(
-                f"FP8 einsum `{equation}`: index {missing} of {name} is summed "
-                f"within one operand; not supported for FP8 GEMMs."
-            )
-    return f"{out},{b}->{a}", f"{a},{out}->{b}"
-
-
-def fp8_einsum(equation, a, b, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None):
-    """`einsum(equation, q(a), q(b))` in float32 through the chosen route,
-    with the FP8 backward described in the module docstring."""
-    grad_a_eq, grad_b_eq = _grad_equations(equation)
-    name = resolve_route(equation, tuple(a.shape), tuple(b.shape), route)
+def fp8_gemms(equation, a_shape, b_shape, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None):
+    """`(route name, Gemms)` for `einsum(equation, a, b)` with FP8 operands:
+    the forward GEMM takes `a`, `b` cast (saturating) to `forward_dtype`;
+    the backward GEMMs take the output cotangent cast to `backward_dtype`
+    and the other operand in `forward_dtype`. Every GEMM returns float32.
+    """
+    grad_equations(equation, "FP8")
+    nk = as_matmul(equation)
+    if nk is None or is_2d(equation, nk):
+        name = resolve_route(equation, tuple(a_shape), tuple(b_shape), route)
+        gemms = _route_gemms(name, equation, forward_dtype, backward_dtype)
+    else:  # 2-D GEMMs on flattened operands (`backend.gemm.flattened`)
+        k = int(np.prod(b_shape[:nk]))
+        n = int(np.prod(b_shape[nk:]))
+        name = resolve_route(MATMUL_2D, (None, k), (k, n), route)
+        gemms = flattened(_route_gemms(name, MATMUL_2D, forward_dtype, backward_dtype), nk)
     _STATE["last"] = name
+    return name, gemms
+
+
+def _route_gemms(name, equation, fwd, bwd):
+    grad_a_eq, grad_b_eq = grad_equations(equation, "FP8")
+    if name == "torch-scaled_mm":
+        return Gemms(
+            lambda a, b: _gemm_torch(equation, a, b, fwd, fwd),
+            lambda g, b: _torch_grad_a(g, b, fwd, bwd),
+            lambda a, g: _torch_grad_b(a, g, fwd, bwd),
+        )
     gemm = _GEMMS[name]
+    return Gemms(
+        lambda a, b: gemm(equation, a, b, fwd, fwd),
+        lambda g, b: gemm(grad_a_eq, g, b, bwd, fwd),
+        lambda a, g: gemm(grad_b_eq, a, g, fwd, bwd),
+    )
 
-    @ops.custom_gradient
-    def fn(a, b):
-        a_dtype, b_dtype = a.dtype, b.dtype
 
-        def grad(*args, upstream=None, variables=None):
-            g = args[0] if upstream is None else upstream
-            if name == "torch-scaled_mm":
-                ga, gb = _torch_backward(a, b, g, forward_dtype, backward_dtype)
-            else:
-                ga = gemm(grad_a_eq, g, b, backward_dtype, forward_dtype)
-                gb = gemm(grad_b_eq, a, g, forward_dtype, backward_dtype)
-            return ops.cast(ga, a_dtype), ops.cast(gb, b_dtype)
+def _torch_grad_a(g, b, fwd, bwd):
+    """`g @ bᵀ` (E5M2 × E4M3) for the 2-D weight `b`, in `g`'s leading shape."""
+    g8 = saturating_cast(g, bwd)
+    b8 = saturating_cast(b, fwd)
+    out = _torch_mm(g8.reshape(-1, g8.shape[-1]), b8.t())
+    return out.reshape(*g8.shape[:-1], b8.shape[0])
 
-        return gemm(equation, a, b, forward_dtype, forward_dtype), grad
 
-    return fn(a, b)
+def _torch_grad_b(a, g, fwd, bwd):
+    """`aᵀ @ g` (E4M3 × E5M2) over every leading dimension."""
+    a8 = saturating_cast(a, fwd)
+    g8 = saturating_cast(g, bwd)
+    return _torch_mm(a8.reshape(-1, a8.shape[-1]).t(), g8.reshape(-1, g8.shape[-1]))

@@ -200,8 +200,10 @@ def promote(x, like=None, name="x"):
 
 
 def result_dtype(*xs):
-    dtypes = [standardize_dtype(x.dtype) for x in xs]
-    return ops.result_type(*dtypes)
+    """The dtype Keras gives an op on tensors of these dtypes."""
+    import keras
+
+    return keras.backend.result_type(*[standardize_dtype(x.dtype) for x in xs])
 
 
 def scaled(data, scale, grad_scale):

@@ -12,6 +12,9 @@ import string
 import numpy as np
 from keras import ops
 
+from keras_scalify.backend.gemm import grad_equations
+from keras_scalify.backend.gemm import has_float32_gemm
+from keras_scalify.backend.gemm import contraction_gemms
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
@@ -23,7 +26,9 @@ from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import scale_grad
 from keras_scalify.ops._common import static_dim
+from keras_scalify.ops._common import result_dtype
 from keras_scalify.ops._common import static_pow2_sqrt
+from keras_scalify.ops._gemm import scaled_gemms
 
 
 def _size(shape, name):
@@ -33,8 +38,14 @@ def _size(shape, name):
     return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
 
 
-def _contract(fn, operands, k, out_shape, prescale=None):
-    """Apply `fn` to the data of `operands` with the contraction rule."""
+def _contract(fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=None, quantized=False):
+    """Apply `fn` to the data of `operands` with the contraction rule.
+
+    With `gemms` (two operands; `keras_scalify.backend.gemm.Gemms`, float32
+    results) the three GEMMs run under one custom gradient that applies the
+    pow2 factors without passes of their own (`ops/_gemm.py`); the output
+    data is in `out_dtype`. Otherwise `fn` is differentiated by the backend
+    with `rescale` / `scale_grad` around it (below)."""
     sc = [scalars(x) for x in operands]
     r = np.float32(static_pow2_sqrt(k))
     size_out = _size(out_shape, "output")
@@ -52,6 +63,14 @@ def _contract(fn, operands, k, out_shape, prescale=None):
         preds.append(safe_div(sc[i][1], others * static_pow2_sqrt(n_i)))
         ns.append(n_i)
     g = pow2_mean(*preds)
+    if gemms is not None:
+        inv_r = np.float32(1.0 / r)
+        factors = [ops.convert_to_tensor(inv_r)] + [
+            grad_factor(scale, g, s_i, g_i) * inv_r for s_i, g_i in sc
+        ]
+        a, b = (x.data for x in operands)
+        out = scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized)
+        return ScaledTensor(out, scale, g)
     beta = np.float32(1.0 / static_pow2_sqrt(ns[0]))
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
     # product of correlated data cannot overflow before the rescale. Other
@@ -104,7 +123,10 @@ def matmul(x1, x2):
         return ops.matmul(x1, x2)
     a, b = ab
     out_shape = ops.matmul(_spec(a), _spec(b)).shape
-    return _contract(ops.matmul, [a, b], _static_k(a.data, "x1"), out_shape)
+    return _contract(
+        ops.matmul, [a, b], _static_k(a.data, "x1"), out_shape,
+        **_gemm_args(_weight_equation(a, b), a, b),
+    )
 
 
 def dot(x1, x2):
@@ -114,7 +136,10 @@ def dot(x1, x2):
         return ops.dot(x1, x2)
     a, b = ab
     out_shape = ops.dot(_spec(a), _spec(b)).shape
-    return _contract(ops.dot, [a, b], _static_k(a.data, "x1"), out_shape)
+    return _contract(
+        ops.dot, [a, b], _static_k(a.data, "x1"), out_shape,
+        **_gemm_args(_weight_equation(a, b), a, b),
+    )
 
 
 def _spec(x):
@@ -188,7 +213,45 @@ def einsum(subscripts, *operands):
     def fn(*datas):
         return ops.einsum(subscripts, *datas)
 
-    return _contract(fn, xs, k, out_shape)
+    extra = _gemm_args(_two_operand_equation(subscripts, xs), *xs) if len(xs) == 2 else {}
+    return _contract(fn, xs, k, out_shape, **extra)
+
+
+def _weight_equation(a, b):
+    """The einsum equation of `a @ b` for a 2-D `b` (None otherwise)."""
+    if len(b.shape) != 2 or not 1 <= len(a.shape) <= 9:
+        return None
+    return "abcdefgh"[: len(a.shape) - 1] + "k,kn->" + "abcdefgh"[: len(a.shape) - 1] + "n"
+
+
+def _two_operand_equation(subscripts, xs):
+    """`subscripts` when the GEMMs of `ops/_gemm.py` can run it: explicit
+    output, no ellipsis, every index in the other operand or the output,
+    no broadcasting of size-1 dims."""
+    subs = subscripts.replace(" ", "")
+    if "->" not in subs or "." in subs:
+        return None
+    try:
+        grad_equations(subs)
+    except ValueError:
+        return None
+    sizes = {}
+    for term, x in zip(subs.split("->")[0].split(","), xs):
+        if len(term) != len(x.shape):
+            return None
+        for c, d in zip(term, x.shape):
+            if sizes.setdefault(c, d) != d:
+                return None
+    return subs
+
+
+def _gemm_args(equation, a, b):
+    """`_contract` arguments for the one-custom-gradient GEMMs, or none
+    when the equation or the dtypes need the generic path."""
+    if equation is None or not has_float32_gemm(a.dtype, b.dtype):
+        return {}
+    gemms = contraction_gemms(equation, tuple(static_dim(d) for d in b.shape))
+    return {"gemms": gemms, "out_dtype": result_dtype(a.data, b.data)}
 
 
 def _matmul_equation(a_ndim, b_ndim):
@@ -215,14 +278,10 @@ def fp8_einsum(subscripts, x1, x2, forward_dtype="float8_e4m3fn", backward_dtype
     a, b = ab
     k = _parse_einsum(subscripts, [a.shape, b.shape])
     out_shape = ops.einsum(subscripts, _spec(a), _spec(b)).shape
-    out_dtype = a.dtype
-
-    def fn(da, db):
-        y = fp8.fp8_einsum(subscripts, da, db, forward_dtype, backward_dtype, route)
-        return y
-
-    y = _contract(fn, [a, b], k, out_shape, prescale=False)
-    return ScaledTensor(ops.cast(y.data, out_dtype), y.scale, y.grad_scale)
+    _, gemms = fp8.fp8_gemms(
+        subscripts.replace(" ", ""), a.shape, b.shape, forward_dtype, backward_dtype, route
+    )
+    return _contract(None, [a, b], k, out_shape, gemms=gemms, out_dtype=a.dtype, quantized=True)
 
 
 def fp8_matmul(x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None):

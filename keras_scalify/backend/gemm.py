@@ -1,0 +1,155 @@
+"""GEMMs that return float32: the three GEMMs of a scaled contraction.
+
+A scaled contraction (`keras_scalify.ops.linalg`) applies its pow2 factors
+to float32 GEMM results, before rounding once to the data dtype. That
+needs a GEMM with a float32 output for the operands' dtype:
+
+- jax: `jnp.einsum(..., preferred_element_type=float32)` for every dtype
+  (float32, bfloat16, float16; XLA uses the low-precision GEMM with float32
+  accumulation where the hardware has one, and upcasts on CPU).
+- tensorflow, torch: float32 operands only (`has_float32_gemm`); float16
+  and bfloat16 GEMMs there return their own dtype, and the contraction
+  keeps the layout that protects that output's range.
+
+`grad_equations` gives the einsum equations of the two backward GEMMs.
+"""
+
+import collections
+
+import keras
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+Gemms = collections.namedtuple("Gemms", ["forward", "grad_a", "grad_b"])
+Gemms.__doc__ = """The three GEMMs of `y = einsum(eq, a, b)`, each returning
+float32: `forward(a, b)`, `grad_a(g, b)` (the cotangent of `a` from the
+cotangent `g` of `y`) and `grad_b(a, g)`."""
+
+
+def grad_equations(equation, kind="scaled"):
+    """`(equation of grad_a, equation of grad_b)` for a two-operand
+    `equation` with explicit output, e.g. "ak,kn->an" gives ("an,kn->ak",
+    "ak,an->kn"). Raises a ValueError when an index of one operand appears
+    neither in the other operand nor in the output (it is summed within
+    one operand, which these GEMMs do not do) or when an ellipsis is used.
+    """
+    ins, out = equation.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    for name, term, others in (("x1", a, b + out), ("x2", b, a + out)):
+        missing = [c for c in term if c not in others]
+        if missing or "." in term:
+            raise ValueError(
+                f"Einsum `{equation}`: index {missing} of {name} is summed "
+                f"within one operand (or an ellipsis is used): not supported "
+                f"for {kind} GEMMs, which need every index in the other "
+                f"operand or the output."
+            )
+    return f"{out},{b}->{a}", f"{a},{out}->{b}"
+
+
+def has_float32_gemm(*dtypes):
+    """Whether this backend's `einsum_f32` takes operands of `dtypes`
+    without upcasting them (jax: every float dtype; else float32 only)."""
+    if keras.backend.backend() == "jax":
+        return True
+    return all(standardize_dtype(d) == "float32" for d in dtypes)
+
+
+def einsum_f32(equation, a, b):
+    """`einsum(equation, a, b)` accumulated and returned in float32."""
+    if keras.backend.backend() == "jax":
+        import jax.numpy as jnp
+
+        return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+    out = ops.einsum(equation, a, b)
+    if standardize_dtype(out.dtype) != "float32":
+        out = ops.cast(out, "float32")
+    return out
+
+
+MATMUL_2D = "mk,kn->mn"
+
+
+def as_matmul(equation):
+    """For an einsum that is a matrix product in disguise, `lead..K..,
+    K..W..->lead..W..` (the contracted indices K last in `a`, first in `b`,
+    in the same order, no batch index): the number of K indices; else None.
+    Dense ("abk,kn->abn") and the attention projections ("abc,cde->abde",
+    "abcd,cde->abe") are of this form."""
+    ins, out = equation.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    if len(set(a)) != len(a) or len(set(b)) != len(b) or "." in a + b:
+        return None
+    k = [c for c in a if c in b]
+    nk = len(k)
+    if nk == 0 or any(c in out for c in k):
+        return None
+    if a[len(a) - nk:] != b[:nk] or out != a[: len(a) - nk] + b[nk:]:
+        return None
+    return nk
+
+
+def flattened(gemms_2d, nk):
+    """`Gemms` of an `as_matmul` einsum with `nk` contracted indices, from
+    the `Gemms` of `MATMUL_2D`: `a` runs as (M, K), `b` as (K, N) and the
+    cotangent as (M, N), so each GEMM is one plain 2-D product (for the
+    einsum with several contracted dims, XLA on CPU copied a transposed
+    activation for the weight gradient). The contracted and `b`'s other
+    dims must be static."""
+
+    def prod(dims):
+        n = 1
+        for d in dims:
+            n *= int(d)
+        return n
+
+    def a2(x):
+        return ops.reshape(x, (-1, prod(x.shape[len(x.shape) - nk:])))
+
+    def b2(w):
+        return ops.reshape(w, (prod(w.shape[:nk]), -1))
+
+    def lead(x, nt):
+        return tuple(ops.shape(x)[: len(x.shape) - nt])
+
+    def forward(a, b):
+        y = gemms_2d.forward(a2(a), b2(b))
+        return ops.reshape(y, lead(a, nk) + tuple(b.shape[nk:]))
+
+    def grad_a(g, b):
+        w = tuple(b.shape[nk:])
+        ga = gemms_2d.grad_a(ops.reshape(g, (-1, prod(w))), b2(b))
+        return ops.reshape(ga, lead(g, len(w)) + tuple(b.shape[:nk]))
+
+    def grad_b(a, g):
+        w = tuple(g.shape[len(a.shape) - nk:])
+        gb = gemms_2d.grad_b(a2(a), ops.reshape(g, (-1, prod(w))))
+        return ops.reshape(gb, tuple(a.shape[len(a.shape) - nk:]) + w)
+
+    return Gemms(forward, grad_a, grad_b)
+
+
+def contraction_gemms(equation, b_shape):
+    """`Gemms` of `einsum_f32` for a two-operand `equation`, as 2-D GEMMs
+    (`flattened`) when it is `as_matmul` on operands of more than 2 dims
+    and `b`'s shape is static."""
+    nk = as_matmul(equation)
+    if nk is None or is_2d(equation, nk) or any(d is None for d in b_shape):
+        return plain_gemms(equation)
+    return flattened(plain_gemms(MATMUL_2D), nk)
+
+
+def is_2d(equation, nk):
+    """Whether an `as_matmul` equation is already a product of matrices."""
+    a, b = equation.replace(" ", "").split("->")[0].split(",")
+    return nk == 1 and len(a) <= 2 and len(b) == 2
+
+
+def plain_gemms(equation):
+    """`Gemms` of `einsum_f32` for a two-operand `equation`."""
+    eq_a, eq_b = grad_equations(equation)
+    return Gemms(
+        lambda a, b: einsum_f32(equation, a, b),
+        lambda g, b: einsum_f32(eq_a, g, b),
+        lambda a, g: einsum_f32(eq_b, a, g),
+    )

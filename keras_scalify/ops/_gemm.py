@@ -1,0 +1,72 @@
+"""One custom gradient for the three GEMMs of a scaled contraction.
+
+`scaled_gemms(gemms, a, b, factors, out_dtype)` computes
+`gemms.forward(a, b) · f_out` and, backward, `gemms.grad_a(g, b) · f_a` and
+`gemms.grad_b(a, g) · f_b`, each GEMM returning float32 and each `f` a
+float32 power of two from the scale rule (`ops/linalg.py`). A pow2 factor
+costs no pass of its own:
+
+- low-precision operands, or quantizing GEMMs (FP8): the factor multiplies
+  the float32 GEMM result in the same pass that rounds it to the data
+  dtype (the result never under/overflows a narrow format first);
+- float32 operands and a plain GEMM: the factor multiplies the smallest of
+  the two operands and the result, which is exact (a pow2 factor commutes
+  with float32 rounding). A Dense layer's weight gradient then comes out
+  of its GEMM already scaled, instead of taking another pass over the
+  weight-sized result.
+"""
+
+import numpy as np
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.ops._common import _upstream
+from keras_scalify.ops._common import static_dim
+
+
+def _size(shape):
+    """Static element count (unknown or symbolic dims count as 1)."""
+    dims = [static_dim(d) for d in shape]
+    return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
+
+
+def _apply(gemm, x, y, factor, out_shape, dtype, exact):
+    """`gemm(x, y) · factor` in `dtype` (see the module docstring)."""
+    if exact:
+        sizes = [_size(x.shape), _size(y.shape), _size(out_shape)]
+        smallest = int(np.argmin(sizes))
+        if smallest == 0:
+            return gemm(ops.multiply(x, factor), y)
+        if smallest == 1:
+            return gemm(x, ops.multiply(y, factor))
+    out = ops.multiply(gemm(x, y), factor)
+    if standardize_dtype(out.dtype) != dtype:
+        out = ops.cast(out, dtype)
+    return out
+
+
+def _all_float32(*xs):
+    return all(standardize_dtype(x.dtype) == "float32" for x in xs)
+
+
+def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
+    """Forward `gemms.forward(a, b)·f_out` in `out_dtype`; the cotangents of
+    `a` and `b` are `grad_a(g, b)·f_a` and `grad_b(a, g)·f_b` in their
+    dtypes. `factors = (f_out, f_a, f_b)`: float32 pow2 scalar tensors.
+    `quantized`: the GEMMs round their operands (FP8), so a factor is never
+    moved onto an operand."""
+    out_dtype = standardize_dtype(out_dtype)
+    exact = not quantized and _all_float32(a, b) and out_dtype == "float32"
+    a_shape, b_shape = tuple(a.shape), tuple(b.shape)
+
+    @ops.custom_gradient
+    def fn(a, b, f_out, f_a, f_b):
+        def grad(*args, upstream=None, variables=None):
+            g = _upstream(args, upstream)
+            ga = _apply(gemms.grad_a, g, b, f_a, a_shape, standardize_dtype(a.dtype), exact)
+            gb = _apply(gemms.grad_b, a, g, f_b, b_shape, standardize_dtype(b.dtype), exact)
+            return ga, gb, None, None, None
+
+        return _apply(gemms.forward, a, b, f_out, out_shape, out_dtype, exact), grad
+
+    return fn(a, b, *factors)
