@@ -171,6 +171,18 @@ def cast_to_compute(layer, inputs):
     return sops.cast(as_scaled(inputs), layer.compute_dtype)
 
 
+def to_float32(x):
+    """A ScaledTensor's data in float32 (a no-op when it already is).
+
+    Scaled layers do their elementwise work (bias, affine, activation,
+    residual sums) in float32 and round once to the compute dtype at the
+    end, as a fused GPU epilogue does: fewer roundings, and the gradients
+    of biases and norm parameters are summed in float32."""
+    from keras_scalify import ops as sops
+
+    return x if x.dtype == "float32" else sops.cast(x, "float32")
+
+
 def plain_shapes(structure):
     """`structure` with every ScaledTensor of shapes replaced by its data
     shape (a tuple); lists, tuples and dicts are walked."""

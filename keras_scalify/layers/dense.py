@@ -16,6 +16,7 @@ from keras_scalify.layers.base import copy_built_weights
 from keras_scalify.layers.base import keras_base_kwargs
 from keras_scalify.layers.base import reject_options
 from keras_scalify.layers.base import scaled_base_kwargs
+from keras_scalify.layers.base import to_float32
 from keras_scalify.ops.boundary import as_scaled
 
 
@@ -44,6 +45,20 @@ def policy_matmul(layer, subscripts_or_none, x, w):
     if y.dtype != keras.src.backend.standardize_dtype(cd):
         y = sops.cast(y, cd)
     return y
+
+
+def bias_and_activation(layer, y):
+    """`activation(y + bias)` in float32, rounded once to the compute dtype
+    (`y` unchanged when the layer has neither)."""
+    if layer._bias is None and layer._act is None:
+        return y
+    dtype = y.dtype
+    y = to_float32(y)
+    if layer._bias is not None:
+        y = sops.add(y, sops.cast(layer._bias.read(rebalance=True), "float32"))
+    if layer._act is not None:
+        y = layer._act(y)
+    return sops.cast(y, dtype)
 
 
 def scaled_input(layer, inputs, name="inputs"):
@@ -114,9 +129,7 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
                 f"{self._kernel.shape[0]}, got shape {x.shape}."
             )
         y = policy_matmul(self, None, x, self._kernel.read())
-        if self._bias is not None:
-            y = sops.add(y, sops.cast(self._bias.read(rebalance=True), y.dtype))
-        return y if self._act is None else self._act(y)
+        return bias_and_activation(self, y)
 
     def compute_output_spec(self, inputs):
         from keras_scalify.layers.activation import _as_spec

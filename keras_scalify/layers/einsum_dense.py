@@ -11,6 +11,7 @@ from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
+from keras_scalify.layers.dense import bias_and_activation
 from keras_scalify.layers.dense import policy_matmul
 from keras_scalify.layers.dense import scaled_input
 
@@ -211,9 +212,7 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
         x = scaled_input(self, inputs)
         self._check_input(tuple(x.shape))
         y = policy_matmul(self, self._call_equation, x, self._kernel.read())
-        if self._bias is not None:
-            y = sops.add(y, sops.cast(self._bias.read(rebalance=True), y.dtype))
-        return y if self._act is None else self._act(y)
+        return bias_and_activation(self, y)
 
     def compute_output_shape(self, input_shape):
         return tuple(self._analyze(plain_shape(input_shape))[2])

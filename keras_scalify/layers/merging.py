@@ -11,6 +11,7 @@ from keras_scalify.layers.base import check_keras_layer
 from keras_scalify.layers.base import keras_base_kwargs
 from keras_scalify.layers.base import scaled_base_kwargs
 from keras_scalify.layers.base import spec_like
+from keras_scalify.layers.base import to_float32
 
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
@@ -36,7 +37,8 @@ class ScaledAdd(ScaledLayer):
             raise ValueError(
                 f"`inputs` of {self.name} must be a list of at least 2 tensors."
             )
-        xs = [cast_to_compute(self, x) for x in inputs]
+        # Summed in float32, rounded once to the compute dtype.
+        xs = [to_float32(cast_to_compute(self, x)) for x in inputs]
         if self.residual_weights is not None:
             if len(self.residual_weights) != len(xs):
                 raise ValueError(

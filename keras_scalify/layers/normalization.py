@@ -14,6 +14,7 @@ from keras_scalify.layers.base import keras_base_kwargs
 from keras_scalify.layers.base import reject_options
 from keras_scalify.layers.base import scaled_base_kwargs
 from keras_scalify.layers.base import spec_like
+from keras_scalify.layers.base import to_float32
 from keras_scalify.layers.activation import _as_spec
 from keras_scalify.ops.rescaling import STATISTICS
 from keras_scalify.ops.rescaling import delayed_rescale_grad
@@ -66,8 +67,8 @@ class _ScaledNorm(ScaledLayer):
         return _norm_axes(self.axis, len(x.shape), self.name)
 
     def _param(self, weight, y, axes, ndim):
-        """A scaled weight in `y`'s dtype, shaped to broadcast against it."""
-        return self._broadcast(sops.cast(weight.read(), y.dtype), axes, ndim)
+        """A scaled weight in float32, shaped to broadcast against `y`."""
+        return self._broadcast(sops.cast(weight.read(), "float32"), axes, ndim)
 
     def _broadcast(self, w, axes, ndim):
         """Reshape a parameter over `axes` to broadcast against inputs."""
@@ -161,7 +162,8 @@ class ScaledLayerNormalization(_ScaledNorm):
     def call(self, inputs):
         x = self._rescaled_input(inputs)
         axes, ndim = self._call_axes(x), len(x.shape)
-        y = sops.layer_normalization(x, axis=axes, epsilon=self.epsilon)
+        # Normalized and scaled in float32, rounded once (`_finish`).
+        y = sops.layer_normalization(to_float32(x), axis=axes, epsilon=self.epsilon)
         if self._gamma is not None:
             y = sops.multiply(y, self._param(self._gamma, y, axes, ndim))
         if self._beta is not None:
@@ -240,7 +242,7 @@ class ScaledRMSNormalization(_ScaledNorm):
     def call(self, inputs):
         x = self._rescaled_input(inputs)
         axes, ndim = self._call_axes(x), len(x.shape)
-        y = sops.rms_normalization(x, axis=axes, epsilon=self.epsilon)
+        y = sops.rms_normalization(to_float32(x), axis=axes, epsilon=self.epsilon)
         y = sops.multiply(y, self._param(self._scale, y, axes, ndim))
         return self._finish(y)
 

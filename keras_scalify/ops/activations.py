@@ -30,8 +30,10 @@ def relu(x):
 
 
 def _gelu_gate(approximate):
-    # The gate is exactly 0 or 1 in float32 beyond |u| = 20: clipping there
-    # changes no value and keeps u**3 (and its gradient) finite.
+    # tanh form: the gate is exactly 0 or 1 in float32 beyond |u| = 20;
+    # clipping there changes no value and keeps u**3 (and its gradient)
+    # finite. The erf form needs no clip: erf and its derivative
+    # exp(-u²) are finite for every u, ±inf included.
     if approximate:
         k = math.sqrt(2.0 / math.pi)
 
@@ -40,9 +42,7 @@ def _gelu_gate(approximate):
             return 0.5 * (1.0 + ops.tanh(k * (u + 0.044715 * u * u * u)))
 
         return gate
-    return lambda u: 0.5 * (
-        1.0 + ops.erf(ops.clip(u, -20.0, 20.0) / math.sqrt(2.0))
-    )
+    return lambda u: 0.5 * (1.0 + ops.erf(u * (1.0 / math.sqrt(2.0))))
 
 
 def gelu(x, approximate=True):
