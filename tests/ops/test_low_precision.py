@@ -193,6 +193,18 @@ def test_cast_on_forward_float16_is_a_real_cast(rng):
     assert float(to_np(y.scale)) == 2.0
 
 
+def test_casts_to_the_dtype_already_held_are_the_identity():
+    x = ksc.as_scaled(np.array([1.0, np.inf, -3.0], "float16"), 2.0)
+    assert ksc.ops.cast_on_forward(x, "float16") is x
+    assert ksc.ops.cast_on_backward(x, "float16") is x
+    # An overflowed cotangent stays inf (a saturating cast would turn it
+    # into 65504 and hide the overflow from the optimizer's skip check).
+    t = ops.convert_to_tensor(np.array([1.0, 2.0], "float16"))
+    up = ops.convert_to_tensor(np.array([np.inf, 1.0], "float16"))
+    _, (g,) = kb.value_and_grad(lambda v: ops.sum(ksc.ops.cast_on_backward(v, "float16") * up))(t)
+    assert np.isinf(to_np(g)[0])
+
+
 def test_cast_rejects_unknown_format():
     with pytest.raises(ValueError, match="dtype"):
         ksc.ops.cast_on_forward(np.ones(2, "float32"), "float8_e4m3fnuz")

@@ -73,3 +73,19 @@ def test_grad_scale_recovers_on_a_skipped_step():
     opt.apply(grads, opt._trainable_variables)
     # Overflowing cotangents: the grad scale grows by 2**12.
     assert float(keras.ops.convert_to_numpy(kernel.grad_scale)) == gs * 2.0**12
+
+
+def test_gradient_whose_float32_norm_overflows_is_skipped():
+    """Finite elements whose sum of squares overflows float32 (in data
+    units, 1e20 where ~1 is expected) count as an overflow: the step is
+    skipped and the grad scale grows by 2**12, as for an inf."""
+    model, opt, x, y = _trained_model()
+    before = _state(model, opt)
+    kernel = model.layers[1].kernel
+    gs = float(keras.ops.convert_to_numpy(kernel.grad_scale))
+    grads = [np.zeros(v.shape, "float32") for v in opt._trainable_variables]
+    i = [id(v) for v in opt._trainable_variables].index(id(kernel.data))
+    grads[i] = np.full(kernel.shape, 1e20, "float32")
+    opt.apply(grads, opt._trainable_variables)
+    _assert_skipped(model, opt, before)
+    assert float(keras.ops.convert_to_numpy(kernel.grad_scale)) == gs * 2.0**12

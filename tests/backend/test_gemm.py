@@ -1,0 +1,90 @@
+"""The GEMMs of a scaled contraction (`backend/gemm.py`, `ops/_gemm.py`):
+matrix products in disguise run as 2-D GEMMs, results and gradients equal
+plain Keras, and a weight gradient takes no pass after its GEMM."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_scalify as ksc
+from keras_scalify import backend as kb
+from keras_scalify.backend.gemm import as_matmul
+from keras_scalify.backend.gemm import grad_equations
+from tests.conftest import to_np
+
+
+@pytest.mark.parametrize(
+    "equation, nk",
+    [
+        ("ak,kn->an", 1),
+        ("abk,kn->abn", 1),
+        ("abc,cde->abde", 1),  # attention projections
+        ("abcd,cde->abe", 2),  # attention output
+        ("abc,cd->abd", 1),
+        ("ab,cb->ac", None),  # contracted last in both: not a plain product
+        ("bqhd,bkhd->bhqk", None),  # batch indices
+        ("abc,cd->adb", None),  # output order differs
+        ("ab,bc->c", None),  # `a` summed within one operand
+    ],
+)
+def test_as_matmul(equation, nk):
+    assert as_matmul(equation) == nk
+
+
+def test_grad_equations_and_unsupported_ones():
+    assert grad_equations("ak,kn->an") == ("an,kn->ak", "ak,an->kn")
+    with pytest.raises(ValueError, match="FP8 GEMMs"):
+        grad_equations("ab,bc->c", "FP8")
+
+
+CASES = [
+    ("abk,kn->abn", (2, 3, 8), (8, 4)),
+    ("abc,cde->abde", (2, 3, 8), (8, 2, 4)),
+    ("abcd,cde->abe", (2, 3, 4, 2), (4, 2, 5)),
+    ("bqhd,bkhd->bhqk", (2, 3, 2, 4), (2, 5, 2, 4)),
+]
+
+
+@pytest.mark.parametrize("equation, a_shape, b_shape", CASES, ids=[c[0] for c in CASES])
+def test_scaled_einsum_values_and_gradients_equal_keras(equation, a_shape, b_shape, rng, run):
+    a = rng.standard_normal(a_shape).astype("float32")
+    b = rng.standard_normal(b_shape).astype("float32")
+    out_shape = np.einsum(equation, a, b).shape
+    up = rng.standard_normal(out_shape).astype("float32")
+
+    def scaled(x, w):
+        y = ksc.ops.einsum(equation, ksc.as_scaled(x, 2.0**-3), ksc.as_scaled(w, 2.0**5))
+        return ops.sum(ksc.to_array(y) * ops.convert_to_tensor(up))
+
+    def plain(x, w):
+        y = ops.einsum(equation, x * 2.0**-3, w * 2.0**5)
+        return ops.sum(y * ops.convert_to_tensor(up))
+
+    args = [ops.convert_to_tensor(a), ops.convert_to_tensor(b)]
+    got = run(kb.value_and_grad(scaled), *args)
+    want = run(kb.value_and_grad(plain), *args)
+    np.testing.assert_allclose(to_np(got[0]), to_np(want[0]), rtol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-5, atol=1e-6 * np.abs(to_np(w)).max())
+
+
+@pytest.mark.skipif(keras.config.backend() != "jax", reason="inspects a jaxpr (jax only)")
+def test_weight_gradient_comes_out_of_its_gemm_scaled(rng):
+    """The pow2 factor of a float32 weight gradient goes on the smaller
+    activation, so no multiply runs over the weight-shaped result."""
+    import jax
+
+    x = rng.standard_normal((8, 256)).astype("float32")
+    w = rng.standard_normal((256, 512)).astype("float32")
+
+    def loss(wd):
+        y = ksc.ops.matmul(ksc.as_scaled(x, 2.0**-2), ksc.ScaledTensor(wd, 2.0**-4, 2.0**-7))
+        return ops.sum(ksc.to_array(y))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w)
+    weight_sized = [
+        e for e in jaxpr.eqns
+        if e.primitive.name == "mul" and tuple(e.outvars[0].aval.shape) == w.shape
+    ]
+    assert not weight_sized, weight_sized

@@ -1,0 +1,74 @@
+"""The random bits of stochastic rounding: a counter-based hash, the same on
+every backend (unbiasedness of the rounding itself is tested in
+tests/optimizers/test_low_precision.py)."""
+
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_scalify.core.rounding import hash32
+from keras_scalify.core.rounding import random_bits
+from keras_scalify.core.rounding import stochastic_cast
+
+
+def _np_hash32(x):
+    """`lowbias32` in NumPy uint32 arithmetic (the reference)."""
+    x = np.asarray(x).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x7FEB352D)
+        x ^= x >> np.uint32(15)
+        x *= np.uint32(0x846CA68B)
+        x ^= x >> np.uint32(16)
+    return x
+
+
+def _np_random_bits(shape, key):
+    golden = np.uint32(0x9E3779B9)
+    index = np.arange(int(np.prod(shape)), dtype=np.uint32)
+    k = _np_hash32(np.int64(key) & 0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        x = _np_hash32(index * golden + k)
+        x = _np_hash32(x ^ (k + golden))
+    return x.view(np.int32).reshape(shape)
+
+
+def _bits(shape, key):
+    return ops.convert_to_numpy(random_bits(shape, ops.convert_to_tensor(np.int32(key))))
+
+
+@pytest.mark.parametrize("key", [0, 1, -5, 2**31 - 1, -(2**31)])
+def test_random_bits_match_the_uint32_reference_on_every_backend(key):
+    np.testing.assert_array_equal(_bits((3, 257), key), _np_random_bits((3, 257), key))
+
+
+def test_hash32_is_lowbias32():
+    x = np.array([0, 1, 2, 12345, -1, 2**31 - 1, -(2**31)], np.int32)
+    got = ops.convert_to_numpy(hash32(ops.convert_to_tensor(x))).view(np.uint32)
+    np.testing.assert_array_equal(got, _np_hash32(x.view(np.uint32)))
+
+
+def test_random_bits_are_uniform_and_independent_across_keys():
+    n = 1 << 18
+    a = _bits((n,), 7).view(np.uint32).astype(np.float64)
+    b = _bits((n,), 8).view(np.uint32).astype(np.float64)
+    # The 13 bits float16 rounding uses: a chi-square test over 8192 bins
+    # (8191 degrees of freedom: mean 8191, std 128).
+    top = (a / 2.0**19).astype(np.int64)
+    counts = np.bincount(top, minlength=8192)
+    expected = n / 8192
+    assert abs(((counts - expected) ** 2 / expected).sum() - 8191) < 6 * 128
+    # Correlation of 2**18 pairs: std 0.002.
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.01
+    assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.01
+
+
+def test_stochastic_cast_with_a_key_is_deterministic():
+    x = np.linspace(1.0, 2.0, 1000, dtype=np.float32)
+    key = ops.convert_to_tensor(np.int32(3))
+    y1 = ops.convert_to_numpy(ops.cast(stochastic_cast(x, "float16", key=key), "float32"))
+    y2 = ops.convert_to_numpy(ops.cast(stochastic_cast(x, "float16", key=key), "float32"))
+    np.testing.assert_array_equal(y1, y2)
+    other = ops.convert_to_tensor(np.int32(4))
+    y3 = ops.convert_to_numpy(ops.cast(stochastic_cast(x, "float16", key=other), "float32"))
+    assert np.any(y1 != y3)
