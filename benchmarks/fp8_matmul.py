@@ -5,8 +5,9 @@
 Square GEMMs of each size, forward only, each timed after a warm-up call
 (compiled with jax.jit / tf.function on those backends). Prints the device
 and, per size, milliseconds and TFLOP/s for: float32 `keras.ops.matmul`,
-bfloat16 `keras.ops.matmul`, and `keras_scalify.backend.fp8.fp8_einsum` on
-the native and the simulated route (E4M3 operands, float32 accumulation).
+bfloat16 `keras.ops.matmul`, and the forward GEMM of
+`keras_scalify.backend.fp8.fp8_gemms` on the native and the simulated route
+(E4M3 operands, float32 accumulation).
 On a CPU the FP8 routes are emulated (XLA / torch upcast), so they are
 slower: FP8 speed needs FP8 hardware.
 """
@@ -80,9 +81,8 @@ def main(argv=None):
             ("bfloat16 matmul", kb.jit(ops.matmul), a16, b16),
         ]
         for route in ("native", "simulate"):
-            name = fp8.resolve_route("ak,kn->an", (n, n), (n, n), route)
-            fn = kb.jit(lambda x, y, r=route: fp8.fp8_einsum("ak,kn->an", x, y, route=r))
-            runs.append((f"fp8 {name}", fn, a, b))
+            name, gemms = fp8.fp8_gemms("ak,kn->an", (n, n), (n, n), route=route)
+            runs.append((f"fp8 {name}", kb.jit(gemms.forward), a, b))
         t32 = None
         for label, fn, x, y in runs:
             t = time_fn(fn, x, y, repeats=args.repeats)

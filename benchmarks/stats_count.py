@@ -155,7 +155,7 @@ def counting(counter):
 
     def rms(fn):
         def wrapped(x):
-            counter.add("RMS of each weight's data (scale re-split; used every `rescale_every` steps)", x)
+            counter.add("RMS of each weight's data (scale re-split; computed only on rescale steps, every `rescale_every`)", x)
             return fn(x)
 
         return wrapped
@@ -189,6 +189,7 @@ def counting(counter):
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(keras_quantizers, "compute_float8_amax_history", amax_history))
         stack.enter_context(patched(ksc_rescaling, "data_statistic", data_statistic))
+        stack.enter_context(patched(ksc_scaled_optimizer, "data_statistic", data_statistic))
         stack.enter_context(patched(ksc_state, "rms", rms))
         stack.enter_context(patched(ksc_state, "encode_slot", encode_slot))
         stack.enter_context(patched(ksc_variable.ScaledVariable, "read", read))
@@ -362,13 +363,12 @@ def report(args):
             0,
             sum(n for (w, k, o), n in scounts.items() if k == kind and w == "optimizer"),
         )
-    checked = sum(
-        1 for kind, _, _ in smodel.optimizer._entries if kind in ("weight", "plain")
-    )
+    checked = sum(1 for kind, _, _ in smodel.optimizer._entries if kind == "plain")
     row(
-        "optimizer all-finite checks (`all(isfinite(g))` over each weight "
-        "gradient, to skip non-finite steps; Keras's LossScaleOptimizer does "
-        "the same, plain Adam none)",
+        "optimizer all-finite checks over plain (unscaled) variables' "
+        "gradients (`all(isfinite(g))`, to skip non-finite steps; a scaled "
+        "weight's skip test reuses its gradient RMS; Keras's "
+        "LossScaleOptimizer checks every gradient, plain Adam none)",
         0,
         checked,
     )
@@ -379,9 +379,9 @@ def report(args):
         f"{s_from_model} from the model -> {'met' if met else 'NOT met'} "
         f"(Keras float8: {k_act}).\n"
         "(A full GPT adds one more rescale point for its final LayerNorm, "
-        "per model, not per block. The optimizer-side statistics above are "
-        f"computed every step; the weight RMS is used only every "
-        f"`rescale_every` steps.)\n"
+        "per model, not per block. The weight-gradient RMS above is "
+        f"computed every step, the weight RMS only on rescale steps, every "
+        f"`rescale_every` steps, under a cond.)\n"
     )
 
     kdense = layer_named(kmodel, "block0_mlp_in")

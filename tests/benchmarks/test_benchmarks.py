@@ -1,5 +1,6 @@
-"""Smoke tests of `benchmarks/step_time.py` and `benchmarks/stats_count.py`
-on the current backend, with tiny sizes (seconds, not minutes)."""
+"""Smoke tests of `benchmarks/step_time.py`, `benchmarks/stats_count.py`
+and `benchmarks/fp8_matmul.py` on the current backend, with tiny sizes
+(seconds, not minutes)."""
 
 import importlib.util
 import os
@@ -61,8 +62,9 @@ def test_step_time_mlp(step_time, capsys):
     # The issue's targets are printed next to their ratios.
     assert rows["scaled_float32"][2] == "<= 1.15x on jax"
     assert rows["scaled_float32"][3] in ("met", "NOT met", "n/a (other backend)")
-    assert rows["scaled_fp8"][2] == "<= 1.00x"
-    assert rows["scaled_fp8"][3] in ("met", "NOT met")
+    for fp8_row in ("scaled_fp8", "scaled_fp8, float32 storage"):
+        assert rows[fp8_row][2] == "<= 1.00x"
+        assert rows[fp8_row][3] in ("met", "NOT met")
 
 
 def test_step_time_gpt(step_time, capsys):
@@ -106,3 +108,13 @@ def test_stats_count(stats_count, capsys):
     assert result["scaled_kernel_bytes"] == 8
     assert result["scaled_dense_bytes"] == 16
     assert any("amax history 16" in k for k in rows)
+
+
+def test_fp8_matmul(capsys):
+    _load("fp8_matmul").main(["--sizes", "32", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "backend: " in out
+    lines = [line for line in out.splitlines() if line.strip().startswith("32 ")]
+    labels = " ".join(lines)
+    assert "float32 matmul" in labels and "fp8 simulate" in labels
+    assert len(lines) == 4
