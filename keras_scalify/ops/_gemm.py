@@ -9,12 +9,16 @@ costs no pass of its own:
 - low-precision operands, or quantizing GEMMs (FP8): the factor multiplies
   the float32 GEMM result in the same pass that rounds it to the data
   dtype (the result never under/overflows a narrow format first);
-- float32 operands and a plain GEMM: the factor multiplies the smallest of
-  the two operands and the result, which is exact (a pow2 factor commutes
-  with float32 rounding). A Dense layer's weight gradient then comes out
-  of its GEMM already scaled, instead of taking another pass over the
-  weight-sized result.
+- float32 operands and a plain GEMM: the factor multiplies the result,
+  where the elementwise ops that follow (bias, activation, their
+  gradients) absorb it, unless an operand is at least `OPERAND_RATIO`
+  times smaller: then that operand, which is exact (a pow2 factor
+  commutes with float32 rounding). A Dense layer's weight gradient thus
+  comes out of its GEMM already scaled, instead of taking another pass
+  over the weight-sized result.
 """
+
+OPERAND_RATIO = 4
 
 import numpy as np
 from keras import ops
@@ -33,11 +37,11 @@ def _size(shape):
 def _apply(gemm, x, y, factor, out_shape, dtype, exact):
     """`gemm(x, y) · factor` in `dtype` (see the module docstring)."""
     if exact:
-        sizes = [_size(x.shape), _size(y.shape), _size(out_shape)]
-        smallest = int(np.argmin(sizes))
-        if smallest == 0:
-            return gemm(ops.multiply(x, factor), y)
-        if smallest == 1:
+        sizes = [_size(x.shape), _size(y.shape)]
+        smaller = int(np.argmin(sizes))
+        if sizes[smaller] * OPERAND_RATIO <= _size(out_shape):
+            if smaller == 0:
+                return gemm(ops.multiply(x, factor), y)
             return gemm(x, ops.multiply(y, factor))
     out = ops.multiply(gemm(x, y), factor)
     if standardize_dtype(out.dtype) != dtype:
