@@ -4,7 +4,6 @@ import keras
 from keras.src.initializers.random_initializers import VarianceScaling
 from keras.src.layers.core.einsum_dense import _analyze_einsum_string
 
-from keras_scalify import ops as sops
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
