@@ -12,9 +12,9 @@ import string
 import numpy as np
 from keras import ops
 
+from keras_scalify.backend.gemm import contraction_gemms
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import has_float32_gemm
-from keras_scalify.backend.gemm import contraction_gemms
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
@@ -25,8 +25,8 @@ from keras_scalify.ops._common import rescale
 from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import scale_grad
-from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import result_dtype
+from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import static_pow2_sqrt
 from keras_scalify.ops._gemm import scaled_gemms
 
