@@ -54,11 +54,17 @@ def saturating_cast(x, dtype):
     """Cast `x` to `dtype`, clipping to the format's `±max` first.
 
     NaN stays NaN; ±inf becomes ±max. The clip is done in float32 (or in
-    the input dtype when that is wider than float32).
+    the input dtype when that is wider than float32). A cast to a format of
+    wider range (float16 -> float32, E4M3 -> E5M2) cannot overflow and is
+    a plain cast: no clip pass, ±inf stays ±inf.
     """
     fmt = get_format(dtype)
     x = ops.convert_to_tensor(x)
     src = standardize_dtype(x.dtype)
+    if src in FORMATS and FORMATS[src].max < fmt.max:
+        if src in FP8_DTYPES and fmt.name != "float32":
+            x = ops.cast(x, "float32")  # FP8 casts go through float32
+        return ops.cast(x, fmt.name)
     if src in FP8_DTYPES:
         x = ops.cast(x, "float32")
         src = "float32"

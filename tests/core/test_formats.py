@@ -160,3 +160,21 @@ def test_plain_cast_of_e5m2_overflow_is_inf_on_every_backend():
     np.testing.assert_array_equal(got, [np.inf, -np.inf, np.inf])
     saturated = values_of(saturating_cast(x, "float8_e5m2"))
     np.testing.assert_array_equal(saturated, [57344.0, -57344.0, 57344.0])
+
+
+@pytest.mark.parametrize(
+    "src, dst", [("float16", "float32"), ("bfloat16", "float32"), ("float8_e4m3fn", "float8_e5m2"),
+                 ("float8_e5m2", "float16"), ("float8_e4m3fn", "float32")]
+)
+def test_cast_to_a_wider_range_is_a_plain_cast(run, src, dst):
+    # Nothing can overflow: no clip, so ±inf (an overflow upstream) stays
+    # ±inf for the optimizer's skip check, and NaN stays NaN.
+    big = get_format(src).max
+    x = keras.ops.cast(np.asarray([big, -big, 2.0, -0.5], np.float32), src)
+    out = run(cast_fn(dst), x)
+    assert standardize_dtype(out.dtype) == dst
+    np.testing.assert_array_equal(values_of(out), values_of(x))
+    if src in ("float16", "bfloat16"):
+        special = keras.ops.cast(np.asarray([np.inf, -np.inf, np.nan], np.float32), src)
+        got = values_of(run(cast_fn(dst), special))
+        assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]), got
