@@ -20,27 +20,30 @@ from keras_scalify.layers.base import to_float32
 from keras_scalify.ops.boundary import as_scaled
 
 
-def policy_matmul(layer, subscripts_or_none, x, w):
+def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False):
     """`x @ w` (or an einsum) with the policy's casts: inputs cast to the
     matmul dtype forward (E4M3 under scaled_fp8), the output gradient cast
-    to the grad dtype backward (E5M2)."""
+    to the grad dtype backward (E5M2). Output data in the compute dtype;
+    `epilogue=True` (float32 work follows, `bias_and_activation`): an FP8
+    GEMM's output stays in float32, so the epilogue rounds it once."""
     mm = layer.policy_dtype("matmul_dtype")
     gd = layer.policy_dtype("grad_dtype")
     if keras.src.backend.standardize_dtype(mm) in FP8_DTYPES:
         # One FP8 dispatch for the forward GEMM and both backward GEMMs.
+        out = "float32" if epilogue else layer.compute_dtype
         if subscripts_or_none is None:
-            y = sops.fp8_matmul(x, w, mm, gd)
+            y = sops.fp8_matmul(x, w, mm, gd, out_dtype=out)
         else:
-            y = sops.fp8_einsum(subscripts_or_none, x, w, mm, gd)
+            y = sops.fp8_einsum(subscripts_or_none, x, w, mm, gd, out_dtype=out)
         layer._fp8_route = fp8.last_fp8_route()
+        return y
+    x = sops.cast_on_forward(x, mm)
+    w = sops.cast_on_forward(w, mm)
+    if subscripts_or_none is None:
+        y = sops.matmul(x, w)
     else:
-        x = sops.cast_on_forward(x, mm)
-        w = sops.cast_on_forward(w, mm)
-        if subscripts_or_none is None:
-            y = sops.matmul(x, w)
-        else:
-            y = sops.einsum(subscripts_or_none, x, w)
-        y = sops.cast_on_backward(y, gd)
+        y = sops.einsum(subscripts_or_none, x, w)
+    y = sops.cast_on_backward(y, gd)
     cd = layer.compute_dtype
     if y.dtype != keras.src.backend.standardize_dtype(cd):
         y = sops.cast(y, cd)
@@ -49,10 +52,10 @@ def policy_matmul(layer, subscripts_or_none, x, w):
 
 def bias_and_activation(layer, y):
     """`activation(y + bias)` in float32, rounded once to the compute dtype
-    (`y` unchanged when the layer has neither)."""
+    (`y` only cast to it when the layer has neither)."""
+    dtype = keras.src.backend.standardize_dtype(layer.compute_dtype)
     if layer._bias is None and layer._act is None:
-        return y
-    dtype = y.dtype
+        return sops.cast(y, dtype)
     y = to_float32(y)
     if layer._bias is not None:
         y = sops.add(y, sops.cast(layer._bias.read(rebalance=True), "float32"))
@@ -128,7 +131,7 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
                 f"`inputs` of {self.name} must have last dimension "
                 f"{self._kernel.shape[0]}, got shape {x.shape}."
             )
-        y = policy_matmul(self, None, x, self._kernel.read())
+        y = policy_matmul(self, None, x, self._kernel.read(), epilogue=True)
         return bias_and_activation(self, y)
 
     def compute_output_spec(self, inputs):

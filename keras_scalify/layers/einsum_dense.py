@@ -210,7 +210,7 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
     def call(self, inputs, training=None):
         x = scaled_input(self, inputs)
         self._check_input(tuple(x.shape))
-        y = policy_matmul(self, self._call_equation, x, self._kernel.read())
+        y = policy_matmul(self, self._call_equation, x, self._kernel.read(), epilogue=True)
         return bias_and_activation(self, y)
 
     def compute_output_shape(self, input_shape):

@@ -15,6 +15,8 @@ from keras import ops
 from keras_scalify.backend.gemm import contraction_gemms
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import has_float32_gemm
+from keras_scalify.core.formats import FP8_DTYPES
+from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
@@ -92,6 +94,16 @@ def _contract(fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=N
             datas.append(scale_grad(x.data, c / (r * beta)))
     out = rescale(fn(*datas), one if prescale else inv_r, beta)
     return ScaledTensor(out, scale, g)
+
+
+def _check_out_dtype(out_dtype):
+    """`out_dtype` as a format name (None stays None); FP8 is refused."""
+    if out_dtype is None:
+        return None
+    name = get_format(out_dtype).name
+    if name in FP8_DTYPES:
+        raise ValueError(f"`out_dtype` must be a 16/32-bit float, got {name}.")
+    return name
 
 
 def _operands(x1, x2):
@@ -193,18 +205,22 @@ def _expand_ellipsis(term, ndim, free):
     return term.replace("...", "".join(next(free) for _ in range(n)))
 
 
-def einsum(subscripts, *operands):
+def einsum(subscripts, *operands, out_dtype=None):
     """Rule: `s = Π s_i · P(sqrt(K))`, `d = einsum(data)/P(sqrt(K))`.
 
     K is the product of the sizes of the indices summed out (in an input,
-    not in the output).
+    not in the output). `out_dtype` (ScaledTensor operands): the data dtype
+    of the result, default the operands' result dtype; "float32" keeps the
+    GEMM's float32 accumulator for float32 work that follows.
     """
     if not isinstance(subscripts, str):
         raise TypeError(f"`subscripts` must be a string, got {subscripts!r}.")
     for i, x in enumerate(operands):
         check_input(f"operands[{i}]", x)
+    out_dtype = _check_out_dtype(out_dtype)
     if not any(is_scaled(x) for x in operands):
-        return ops.einsum(subscripts, *operands)
+        out = ops.einsum(subscripts, *operands)
+        return out if out_dtype is None else ops.cast(out, out_dtype)
     like = next(x for x in operands if is_scaled(x))
     xs = [promote(x, like, f"operands[{i}]") for i, x in enumerate(operands)]
     k = _parse_einsum(subscripts, [x.shape for x in xs])
@@ -214,7 +230,14 @@ def einsum(subscripts, *operands):
         return ops.einsum(subscripts, *datas)
 
     extra = _gemm_args(_two_operand_equation(subscripts, xs), *xs) if len(xs) == 2 else {}
-    return _contract(fn, xs, k, out_shape, **extra)
+    if extra and out_dtype is not None:
+        extra["out_dtype"] = out_dtype
+    out = _contract(fn, xs, k, out_shape, **extra)
+    if out_dtype is not None and out.dtype != out_dtype:
+        from keras_scalify.ops.shape import cast
+
+        out = cast(out, out_dtype)
+    return out
 
 
 def _weight_equation(a, b):
@@ -264,13 +287,20 @@ def _matmul_equation(a_ndim, b_ndim):
     return f"{letters}k,kn->{letters}n"
 
 
-def fp8_einsum(subscripts, x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None):
+def fp8_einsum(
+    subscripts, x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2",
+    route=None, out_dtype=None,
+):
     """`einsum` with FP8 operands: the scale rule of `einsum`; the data is
     cast (saturating) to `forward_dtype` for the GEMM, accumulated in
     float32, and the output gradient is cast to `backward_dtype` for the two
     backward GEMMs, all through `keras_scalify.backend.fp8` (route "auto",
-    "native" or "simulate"). Output data in `x1`'s dtype."""
+    "native" or "simulate"). Output data in `out_dtype` (default `x1`'s
+    dtype; "float32" keeps the accumulator for an epilogue that rounds
+    once)."""
     from keras_scalify.backend import fp8
+
+    out_dtype = _check_out_dtype(out_dtype)
 
     ab = _operands(x1, x2)
     if ab is None:
@@ -281,13 +311,17 @@ def fp8_einsum(subscripts, x1, x2, forward_dtype="float8_e4m3fn", backward_dtype
     _, gemms = fp8.fp8_gemms(
         subscripts.replace(" ", ""), a.shape, b.shape, forward_dtype, backward_dtype, route
     )
-    return _contract(None, [a, b], k, out_shape, gemms=gemms, out_dtype=a.dtype, quantized=True)
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    return _contract(None, [a, b], k, out_shape, gemms=gemms, out_dtype=out_dtype, quantized=True)
 
 
-def fp8_matmul(x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None):
+def fp8_matmul(
+    x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None,
+    out_dtype=None,
+):
     """`matmul` of an activation by a 2-D weight with FP8 operands (see
     `fp8_einsum`); the scale rule of `matmul`."""
     x1s = x1 if is_scaled(x1) else promote(x1, None, "x1")
     x2s = x2 if is_scaled(x2) else promote(x2, None, "x2")
     eq = _matmul_equation(len(x1s.shape), len(x2s.shape))
-    return fp8_einsum(eq, x1s, x2s, forward_dtype, backward_dtype, route)
+    return fp8_einsum(eq, x1s, x2s, forward_dtype, backward_dtype, route, out_dtype)

@@ -208,3 +208,34 @@ def test_casts_to_the_dtype_already_held_are_the_identity():
 def test_cast_rejects_unknown_format():
     with pytest.raises(ValueError, match="dtype"):
         ksc.ops.cast_on_forward(np.ones(2, "float32"), "float8_e4m3fnuz")
+
+
+def test_einsum_out_dtype_keeps_the_float32_accumulator(rng):
+    a = rng.standard_normal((8, 64)).astype("float16")
+    b = rng.standard_normal((64, 8)).astype("float16")
+    xa, xb = ksc.as_scaled(a), ksc.as_scaled(b)
+    y16 = ksc.ops.einsum("ik,kj->ij", xa, xb)
+    y32 = ksc.ops.einsum("ik,kj->ij", xa, xb, out_dtype="float32")
+    assert y16.dtype == "float16" and y32.dtype == "float32"
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    err32 = np.max(np.abs(to_np(y32) - exact))
+    np.testing.assert_allclose(to_np(y16), exact, rtol=2e-3, atol=2e-2)
+    from keras_scalify.backend.gemm import has_float32_gemm
+
+    if has_float32_gemm("float16", "float16"):  # else: a float16 GEMM, cast up
+        assert err32 < 1e-4 < np.max(np.abs(to_np(y16) - exact)), err32
+    with pytest.raises(ValueError, match="out_dtype"):
+        ksc.ops.einsum("ik,kj->ij", xa, xb, out_dtype="float8_e4m3fn")
+
+
+def test_fp8_matmul_out_dtype(rng):
+    x = ksc.as_scaled(rng.standard_normal((4, 32)).astype("float16"))
+    w = ksc.as_scaled(rng.standard_normal((32, 8)).astype("float16"))
+    assert ksc.ops.fp8_matmul(x, w).dtype == "float16"
+    y = ksc.ops.fp8_matmul(x, w, out_dtype="float32")
+    assert y.dtype == "float32"
+    np.testing.assert_allclose(
+        to_np(ksc.ops.fp8_matmul(x, w)), to_np(y).astype(np.float16), rtol=1e-3, atol=1e-3
+    )
+    with pytest.raises(ValueError, match="out_dtype"):
+        ksc.ops.fp8_matmul(x, w, out_dtype="float8_e5m2")
