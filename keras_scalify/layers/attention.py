@@ -401,15 +401,16 @@ class ScaledMultiHeadAttention(ScaledLayer):
         return sops.reshape(sops.softmax(flat, axis=-1), shape)
 
     def _masked_softmax(self, scores, attention_mask=None):
+        """Softmax of `scores` in float32, masked; probabilities in the
+        compute dtype."""
+        dtype = keras.src.backend.standardize_dtype(self.compute_dtype)
+        scores = sops.cast(scores, "float32")
         if attention_mask is None:
-            return self._softmax(scores)
+            return sops.cast(self._softmax(scores), dtype)
         axis = -len(self._attention_axes) * 2 - 1
         for _ in range(len(scores.shape) - len(attention_mask.shape)):
             attention_mask = ops.expand_dims(attention_mask, axis=axis)
-        dtype = scores.dtype
-        masked = sops.where(
-            attention_mask, sops.cast(scores, "float32"), self._mask_fill(scores)
-        )
+        masked = sops.where(attention_mask, scores, self._mask_fill(scores))
         probs = self._softmax(masked)
         # Fully masked rows: zeros rather than a uniform distribution.
         probs = sops.where(attention_mask, probs, 0.0)
@@ -440,8 +441,11 @@ class ScaledMultiHeadAttention(ScaledLayer):
         return pow2.np_pow2_round_down(max(n, 1) ** 0.25)
 
     def _compute_attention(self, query, key, value, attention_mask=None, training=None):
-        query = sops.multiply(query, self._inverse_sqrt_key_dim)
-        scores = sops.einsum(self._dot_product_equation, key, query)
+        # Scores in float32 (the GEMM's accumulator), scaled by 1/sqrt(d)
+        # there rather than on the query: the softmax works in float32, so
+        # neither takes a rounding pass of its own.
+        scores = sops.einsum(self._dot_product_equation, key, query, out_dtype="float32")
+        scores = sops.multiply(scores, self._inverse_sqrt_key_dim)
         scores = self._masked_softmax(scores, attention_mask)
         if self._dropout > 0.0:
             final = self._dropout_layer(scores, training=training)

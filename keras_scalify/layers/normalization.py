@@ -80,7 +80,10 @@ class _ScaledNorm(ScaledLayer):
         return sops.reshape(w, shape)
 
     def _rescaled_input(self, inputs):
-        x = cast_to_compute(self, inputs)
+        """The input in the compute dtype, then in float32 for the norm;
+        the delayed gradient rescale sits after the float32 cast, so the
+        float32 input gradient is rescaled, then rounded once."""
+        x = to_float32(cast_to_compute(self, inputs))
         if self.grad_rescale is not None:
             state = read_tensor(self.grad_scale_state)
             x = delayed_rescale_grad(x, state, self.grad_rescale)
@@ -163,7 +166,7 @@ class ScaledLayerNormalization(_ScaledNorm):
         x = self._rescaled_input(inputs)
         axes, ndim = self._call_axes(x), len(x.shape)
         # Normalized and scaled in float32, rounded once (`_finish`).
-        y = sops.layer_normalization(to_float32(x), axis=axes, epsilon=self.epsilon)
+        y = sops.layer_normalization(x, axis=axes, epsilon=self.epsilon)
         if self._gamma is not None:
             y = sops.multiply(y, self._param(self._gamma, y, axes, ndim))
         if self._beta is not None:
@@ -242,7 +245,7 @@ class ScaledRMSNormalization(_ScaledNorm):
     def call(self, inputs):
         x = self._rescaled_input(inputs)
         axes, ndim = self._call_axes(x), len(x.shape)
-        y = sops.rms_normalization(to_float32(x), axis=axes, epsilon=self.epsilon)
+        y = sops.rms_normalization(x, axis=axes, epsilon=self.epsilon)
         y = sops.multiply(y, self._param(self._scale, y, axes, ndim))
         return self._finish(y)
 

@@ -56,3 +56,83 @@ def test_parameter_gradients_are_summed_in_float32(layer, rng):
         if e.primitive.name == "reduce_sum" and e.invars[0].aval.dtype == np.float16
     ]
     assert not f16_sums, f16_sums
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr`, nested ones (custom gradients, pjit) too."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def _f16_roundings(fn, *args):
+    """`convert_element_type` equations to float16 in fn's jaxpr."""
+    import jax
+
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [
+        e for e in _eqns(jaxpr.jaxpr)
+        if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == np.float16
+    ]
+
+
+@pytest.mark.skipif(keras.config.backend() != "jax", reason="inspects a jaxpr (jax only)")
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_fp8_dense_rounds_its_output_once(activation, rng):
+    # The FP8 GEMM hands its float32 accumulator to the epilogue: the only
+    # float16 rounding of the forward pass is the output's.
+    layer = ksc.layers.ScaledDense(16, activation=activation, dtype="scaled_fp8")
+    x = rng.standard_normal((4, 8, 32)).astype("float16")
+    layer(ksc.as_scaled(x))
+    tv = [v.value for v in layer.trainable_variables]
+    ntv = [v.value for v in layer.non_trainable_variables]
+
+    def forward(tv):
+        y, _ = layer.stateless_call(tv, ntv, ksc.as_scaled(x))
+        return ksc.to_array(y)
+
+    outputs = [e for e in _f16_roundings(forward, tv) if e.outvars[0].aval.shape == (4, 8, 16)]
+    assert len(outputs) == 1, outputs
+
+
+def test_fp8_dense_matches_its_float32_epilogue(rng):
+    # Output = round_f16(gelu(GEMM_f32 + bias)) with the GEMM on E4M3 values.
+    layer = ksc.layers.ScaledDense(16, activation="gelu", dtype="scaled_fp8")
+    x = rng.standard_normal((4, 32)).astype("float16")
+    layer(ksc.as_scaled(x))
+    layer.scaled_weights[1].assign(np.full((16,), 1.0 / 3.0, np.float32))
+    y = to_np(layer(ksc.as_scaled(x)))
+    xs = ksc.as_scaled(x)
+    gemm = ksc.ops.fp8_matmul(xs, layer.scaled_weights[0].read(), out_dtype="float32")
+    assert gemm.dtype == "float32"
+    bias = ksc.ops.cast(layer.scaled_weights[1].read(), "float32")
+    want = to_np(layer._act(ksc.ops.add(gemm, bias)))
+    np.testing.assert_allclose(y, want.astype(np.float16).astype(np.float64), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(keras.config.backend() != "jax", reason="inspects a jaxpr (jax only)")
+def test_embedding_gradient_is_summed_in_float32(rng):
+    import jax
+
+    policy = ksc.ScaledDTypePolicy(
+        "scaled_fp16_master", compute_dtype="float16", matmul_dtype="float16",
+        grad_dtype="float16", master_dtype="float16",
+    )
+    layer = ksc.layers.ScaledEmbedding(32, 8, dtype=policy)
+    ids = rng.integers(0, 32, (4, 64)).astype("int32")
+    layer(ids)
+    assert layer.scaled_weights[0].data.dtype == "float16"
+    tv = [v.value for v in layer.trainable_variables]
+    ntv = [v.value for v in layer.non_trainable_variables]
+
+    def loss(tv):
+        y, _ = layer.stateless_call(tv, ntv, ids)
+        return ops.sum(ops.cast(ksc.to_array(y), "float32"))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(tv)
+    scatters = [e for e in _eqns(jaxpr.jaxpr) if "scatter" in e.primitive.name]
+    assert scatters and all(e.outvars[0].aval.dtype == np.float32 for e in scatters), scatters
