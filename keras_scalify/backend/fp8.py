@@ -8,12 +8,24 @@ outputs; the two backward GEMMs quantize the output cotangent to
 custom gradient, with the scale rule's pow2 factors.
 
 Routes (`resolve_route` picks one; `"auto"` prefers native):
-- `jax-dot_general-fp8`: `jnp.einsum` on FP8 operands with
-  `preferred_element_type=float32` (XLA upcasts on CPU; on GPU the
-  FP8 operands reach cuBLASLt).
+- `jax-dot_general-fp8` (jax on GPU/TPU): `jnp.einsum` on FP8 operands
+  with `preferred_element_type=float32`; on GPU the FP8 operands reach
+  cuBLASLt.
+- `jax-dot_general-bf16` (jax on CPU, where XLA would upcast FP8 operands
+  to float32): the FP8 operands cast to bfloat16, which holds every E4M3
+  and E5M2 value exactly, and `jnp.einsum` with
+  `preferred_element_type=float32`. Every product of two FP8 values is
+  exact in float32, so this is the float32 GEMM of the simulation up to
+  summation order, on the CPU's bfloat16 units (AVX512-BF16 / AMX) where
+  it has them. The forward and input-gradient GEMMs; the weight gradient
+  `aᵀg` runs in float32 (see `_route_gemms`).
 - `tensorflow-xla`: FP8 tensors cast up inside a `jit_compile=True`
   function (TF supports only casts on FP8; XLA rewrites the pattern into an
   FP8 GEMM on GPUs that have one).
+- `tensorflow-xla-bf16` (TensorFlow without a GPU, for the 2-D matrix
+  products every Dense GEMM is flattened to): as `tensorflow-xla`, with
+  the FP8 values cast to bfloat16 and `tf.linalg.matmul(...,
+  output_type=float32)`: exact, as `jax-dot_general-bf16`.
 - `torch-scaled_mm`: `torch._scaled_mm` for 2-D GEMMs (inputs are
   flattened to 2-D); on CUDA it needs compute capability >= 8.9 and K, N
   multiples of 16, else it falls back.
@@ -104,8 +116,16 @@ def resolve_route(equation, a_shape, b_shape, route=None):
         return "simulate"
     backend = keras.config.backend()
     if backend == "jax":
+        import jax
+
+        if jax.default_backend() == "cpu":
+            return "jax-dot_general-bf16"
         return "jax-dot_general-fp8"
     if backend == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.config.list_physical_devices("GPU") and tf_matmul_flags(equation):
+            return "tensorflow-xla-bf16"
         return "tensorflow-xla"
     if backend == "torch" and _torch_route_ok(a_shape, b_shape, equation):
         return "torch-scaled_mm"
@@ -129,6 +149,14 @@ def _gemm_jax(equation, a, b, da, db):
     return jnp.einsum(equation, a8, b8, preferred_element_type=jnp.float32)
 
 
+def _gemm_jax_bf16(equation, a, b, da, db):
+    import jax.numpy as jnp
+
+    a16 = saturating_cast(a, da).astype(jnp.bfloat16)
+    b16 = saturating_cast(b, db).astype(jnp.bfloat16)
+    return jnp.einsum(equation, a16, b16, preferred_element_type=jnp.float32)
+
+
 _TF_FUNCTIONS = {}
 
 
@@ -146,9 +174,47 @@ def _gemm_tf(equation, a, b, da, db):
     return fn(saturating_cast(a, da), saturating_cast(b, db))
 
 
-def tf_xla_function(equation):
-    """The XLA-compiled TF function used for `equation` (for inspection)."""
-    return _TF_FUNCTIONS.get(equation)
+def tf_matmul_flags(equation):
+    """`(transpose_a, transpose_b)` when the 2-D `equation` is one
+    `tf.linalg.matmul` (output: the free index of `a`, then of `b`);
+    None otherwise."""
+    ins, out = equation.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    common = set(a) & set(b)
+    if len(a) != 2 or len(b) != 2 or len(common) != 1 or len(set(a + b)) != 3:
+        return None
+    (c,) = common
+    if out != a.replace(c, "") + b.replace(c, ""):
+        return None
+    return a[0] == c, b[1] == c
+
+
+def _gemm_tf_bf16(equation, a, b, da, db):
+    import tensorflow as tf
+
+    key = ("bf16", equation)
+    fn = _TF_FUNCTIONS.get(key)
+    if fn is None:
+        transpose_a, transpose_b = tf_matmul_flags(equation)
+
+        @tf.function(jit_compile=True, autograph=False)
+        def fn(a8, b8):
+            return tf.linalg.matmul(
+                tf.cast(tf.cast(a8, tf.float32), tf.bfloat16),
+                tf.cast(tf.cast(b8, tf.float32), tf.bfloat16),
+                transpose_a=transpose_a,
+                transpose_b=transpose_b,
+                output_type=tf.float32,
+            )
+
+        _TF_FUNCTIONS[key] = fn
+    return fn(saturating_cast(a, da), saturating_cast(b, db))
+
+
+def tf_xla_function(equation, route="tensorflow-xla"):
+    """The XLA-compiled TF function a TF route used for `equation` (for
+    inspection)."""
+    return _TF_FUNCTIONS.get(("bf16", equation) if route == "tensorflow-xla-bf16" else equation)
 
 
 def _torch_mm(x8, y8):
@@ -174,7 +240,9 @@ def _gemm_torch(equation, a, b, da, db):
 _GEMMS = {
     "simulate": _gemm_simulate,
     "jax-dot_general-fp8": _gemm_jax,
+    "jax-dot_general-bf16": _gemm_jax_bf16,
     "tensorflow-xla": _gemm_tf,
+    "tensorflow-xla-bf16": _gemm_tf_bf16,
     "torch-scaled_mm": _gemm_torch,
 }
 
@@ -208,10 +276,16 @@ def _route_gemms(name, equation, fwd, bwd):
             lambda a, g: _torch_grad_b(a, g, fwd, bwd),
         )
     gemm = _GEMMS[name]
+    # The weight gradient `aᵀg` contracts the leading (row) dim of both
+    # operands: XLA CPU's bfloat16 GEMM does not take that layout and
+    # upcasts its operands to float32, duplicating their elementwise
+    # producers into a float32 and a bfloat16 copy; it is run on the
+    # float32 values directly (the same products, exact either way).
+    grad_b = _gemm_simulate if name == "jax-dot_general-bf16" else gemm
     return Gemms(
         lambda a, b: gemm(equation, a, b, fwd, fwd),
         lambda g, b: gemm(grad_a_eq, g, b, bwd, fwd),
-        lambda a, g: gemm(grad_b_eq, a, g, fwd, bwd),
+        lambda a, g: grad_b(grad_b_eq, a, g, fwd, bwd),
     )
 
 

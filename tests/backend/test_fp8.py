@@ -12,11 +12,27 @@ from keras_scalify.backend import fp8
 from tests.conftest import to_np
 
 BACKEND = keras.config.backend()
-NATIVE = {
-    "jax": "jax-dot_general-fp8",
-    "tensorflow": "tensorflow-xla",
-    "torch": "torch-scaled_mm",
-}[BACKEND]
+
+
+def _native_route():
+    if BACKEND == "jax":
+        import jax
+
+        # On CPU, XLA upcasts FP8 dot operands to float32: the FP8 values
+        # go to a bfloat16 dot instead (exact, and faster where the CPU
+        # has bfloat16 units).
+        if jax.default_backend() == "cpu":
+            return "jax-dot_general-bf16"
+        return "jax-dot_general-fp8"
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        # The 2-D GEMMs of these tests, on a CPU: bfloat16 as on jax.
+        return "tensorflow-xla" if tf.config.list_physical_devices("GPU") else "tensorflow-xla-bf16"
+    return "torch-scaled_mm"
+
+
+NATIVE = _native_route()
 
 
 def _loss_and_grads(route, x, w, up, einsum=None, compiled=False):
@@ -128,31 +144,66 @@ def test_torch_route_falls_back_when_cuda_shape_is_unsupported(monkeypatch):
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="jax route only")
-def test_jax_compiled_dot_takes_fp8_operands(rng):
+@pytest.mark.parametrize(
+    "route, operand", [("jax-dot_general-fp8", "f8E4M3FN"), ("jax-dot_general-bf16", "bf16")]
+)
+def test_jax_dots_take_the_route_operands(route, operand, rng):
+    """Each jax route's forward dot: FP8 operands (GPU), or bfloat16 ones
+    holding the FP8 values (CPU); float32 results either way."""
     import jax
 
     x = ops.convert_to_tensor(rng.standard_normal((8, 32)).astype("float32"))
     w = ops.convert_to_tensor(rng.standard_normal((32, 16)).astype("float32"))
+    gemms = fp8._route_gemms(route, "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
 
-    def f(x, w):
-        return ksc.to_array(ksc.ops.fp8_matmul(ksc.as_scaled(x), ksc.as_scaled(w), route="native"))
-
-    text = jax.jit(f).lower(x, w).as_text()
+    text = jax.jit(gemms.forward).lower(x, w).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
-    assert dots and all("f8E4M3FN" in line for line in dots), dots
+    assert dots and all(f"tensor<8x32x{operand}>" in line for line in dots), dots
+    assert all("-> tensor<8x16xf32>" in line for line in dots), dots
+    if operand == "bf16":
+        assert "f8E4M3FN" in text  # the operands are rounded to E4M3 first
+    sim = fp8._route_gemms("simulate", "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
+    np.testing.assert_allclose(
+        to_np(gemms.forward(x, w)), to_np(sim.forward(x, w)), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax route only")
+def test_jax_route_follows_the_platform():
+    import jax
+
+    want = "jax-dot_general-bf16" if jax.default_backend() == "cpu" else "jax-dot_general-fp8"
+    assert fp8.resolve_route("ak,kn->an", (2, 16), (16, 16), "native") == want
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tensorflow route only")
-def test_tensorflow_route_is_compiled_with_xla(rng):
+@pytest.mark.parametrize(
+    "route, dot_operand", [("tensorflow-xla", "f32[8,32]"), ("tensorflow-xla-bf16", "bf16[8,32]")]
+)
+def test_tensorflow_routes_are_compiled_with_xla(route, dot_operand, rng):
     x = ops.convert_to_tensor(rng.standard_normal((8, 32)).astype("float32"))
     w = ops.convert_to_tensor(rng.standard_normal((32, 16)).astype("float32"))
-    ksc.ops.fp8_matmul(ksc.as_scaled(x), ksc.as_scaled(w), route="native")
-    fn = fp8.tf_xla_function("ak,kn->an")
+    gemms = fp8._route_gemms(route, "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
+    y = gemms.forward(x, w)
+    fn = fp8.tf_xla_function("ak,kn->an", route)
     assert fn is not None
     a8 = ksc.core.saturating_cast(x, "float8_e4m3fn")
     b8 = ksc.core.saturating_cast(w, "float8_e4m3fn")
     hlo = fn.experimental_get_compiler_ir(a8, b8)(stage="hlo")
     assert "f8e4m3fn" in hlo.lower() and "dot" in hlo
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    assert dots and all(dot_operand in line and "f32[8,16]" in line for line in dots), dots
+    sim = fp8._route_gemms("simulate", "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
+    np.testing.assert_allclose(to_np(y), to_np(sim.forward(x, w)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tensorflow route only")
+def test_tensorflow_matmul_flags():
+    assert fp8.tf_matmul_flags("mk,kn->mn") == (False, False)
+    assert fp8.tf_matmul_flags("mn,kn->mk") == (False, True)
+    assert fp8.tf_matmul_flags("mk,mn->kn") == (True, False)
+    assert fp8.tf_matmul_flags("mk,kn->nm") is None
+    assert fp8.tf_matmul_flags("abc,cd->abd") is None
 
 
 def test_route_setting_and_bad_route():
