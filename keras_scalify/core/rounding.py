@@ -53,16 +53,15 @@ def hash32(x):
 
 def random_bits(shape, key):
     """Uniform random int32 bit patterns of `shape` for an int32 scalar
-    `key`: two rounds of `hash32` over each element's flat index mixed
-    with the key. Different keys give independent patterns."""
+    `key`: `hash32` of each element's flat index times the golden-ratio
+    constant (a Weyl sequence) plus the hashed key. One hash round per
+    element (11 integer ops); different keys give independent patterns."""
     key = ops.cast(key, "int32")
     size = 1
     for d in shape:
         size *= int(d)
     index = ops.reshape(ops.arange(size, dtype="int32"), shape)
-    k = hash32(key)
-    x = hash32(ops.add(ops.multiply(index, _GOLDEN), k))
-    return hash32(ops.bitwise_xor(x, ops.add(k, _GOLDEN)))
+    return hash32(ops.add(ops.multiply(index, _GOLDEN), hash32(key)))
 
 
 def draw_key(seed):

@@ -20,6 +20,9 @@ from keras_scalify.core.formats import saturating_cast
 from keras_scalify.core.rounding import stochastic_cast
 
 SLOT_MAX_EXPONENT = 14
+# Weight scales stay normal powers of two, so that 1/scale is exact.
+SCALE_MIN = 2.0**-126
+SCALE_MAX = 2.0**126
 
 
 def _valid_pow2(stat):
@@ -42,7 +45,8 @@ def rescale_factor(data, rescale):
 
 def encode_weight(value, scale, dtype, key=None):
     """`(data, scale)` for the float32 weight `value` with the pow2 `scale`
-    (the current scale times `rescale_factor`): `data = value / scale`.
+    (the current scale times `rescale_factor`, kept in the normal range
+    `[2**-126, 2**126]`): `data = value · (1/scale)`, exact.
 
     Args:
         value: the new represented weight (float32).
@@ -51,7 +55,10 @@ def encode_weight(value, scale, dtype, key=None):
         key: an int32 scalar key for stochastic rounding
             (`core.rounding.random_bits`), or None for round-to-nearest.
     """
-    data = value / scale
+    # A normal pow2 scale has an exact reciprocal: one multiply per element
+    # instead of a divide (the scale is kept normal).
+    scale = ops.clip(scale, SCALE_MIN, SCALE_MAX)
+    data = value * (1.0 / scale)
     if dtype == "float32":
         return data, scale
     if key is None:

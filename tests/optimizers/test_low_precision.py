@@ -160,3 +160,21 @@ def test_grad_scale_is_calibrated_from_the_gradient_rms():
     opt.apply([g], [kernel.data])  # grad scale 1/scale = 1 in use
     # P(rms) = 2**-16 (3e-5 = 1.97 * 2**-16): next cotangents near unit RMS.
     assert float(to_np(kernel.grad_scale)) == 2.0**-16
+
+
+def test_encode_weight_multiplies_by_an_exact_reciprocal_and_keeps_scales_normal():
+    from keras_scalify.optimizers import state
+
+    value = np.array([3.0, -1.5, 1e-3, 0.0], np.float32)
+    for scale in (2.0**-20, 1.0, 2.0**40):
+        data, s = state.encode_weight(ops.convert_to_tensor(value), ops.convert_to_tensor(np.float32(scale)), "float32")
+        assert float(ops.convert_to_numpy(s)) == scale
+        np.testing.assert_array_equal(ops.convert_to_numpy(data), value / np.float32(scale))
+    # A subnormal scale is raised to 2**-126: 1/scale stays finite, and
+    # data × scale still decodes to the value.
+    tiny = np.array([1e-37, -2e-37], np.float32)
+    data, s = state.encode_weight(ops.convert_to_tensor(tiny), ops.convert_to_tensor(np.float32(2.0**-140)), "float32")
+    assert float(ops.convert_to_numpy(s)) == 2.0**-126
+    d = ops.convert_to_numpy(data)
+    assert np.all(np.isfinite(d))
+    np.testing.assert_array_equal(d * np.float32(2.0**-126), tiny)
