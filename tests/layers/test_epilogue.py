@@ -136,3 +136,23 @@ def test_embedding_gradient_is_summed_in_float32(rng):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(tv)
     scatters = [e for e in _eqns(jaxpr.jaxpr) if "scatter" in e.primitive.name]
     assert scatters and all(e.outvars[0].aval.dtype == np.float32 for e in scatters), scatters
+
+
+@pytest.mark.skipif(keras.config.backend() != "jax", reason="inspects a jaxpr (jax only)")
+def test_attention_scores_stay_float32_until_the_probabilities(rng):
+    # Scores leave their GEMM in float32 and are scaled by 1/sqrt(d) there;
+    # the only float16 rounding of a scores-shaped tensor is the softmax
+    # output (the GEMM's own float16 output was another).
+    layer = ksc.layers.ScaledMultiHeadAttention(2, 8, dtype="scaled_fp16")
+    x = rng.standard_normal((2, 6, 16)).astype("float16")
+    layer(ksc.as_scaled(x), ksc.as_scaled(x), use_causal_mask=True)
+    tv = [v.value for v in layer.trainable_variables]
+    ntv = [v.value for v in layer.non_trainable_variables]
+
+    def forward(tv):
+        y, _ = layer.stateless_call(tv, ntv, ksc.as_scaled(x), ksc.as_scaled(x), use_causal_mask=True)
+        return ksc.to_array(y)
+
+    roundings = _f16_roundings(forward, tv)
+    scores = [e for e in roundings if e.outvars[0].aval.shape == (2, 2, 6, 6)]
+    assert len(scores) == 1, scores
