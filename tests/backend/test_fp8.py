@@ -29,7 +29,11 @@ def _native_route():
 
         # The 2-D GEMMs of these tests, on a CPU: bfloat16 as on jax.
         return "tensorflow-xla" if tf.config.list_physical_devices("GPU") else "tensorflow-xla-bf16"
-    return "torch-scaled_mm"
+    import torch
+
+    # torch's CPU `_scaled_mm` is a slow reference kernel: the simulation
+    # runs on CPU (the torch route itself is tested on CPU below).
+    return "torch-scaled_mm" if torch.cuda.is_available() else "simulate"
 
 
 NATIVE = _native_route()
@@ -107,6 +111,8 @@ def test_overflowing_inputs_stay_finite(route, rng):
 def test_torch_scaled_mm_is_called_for_all_three_gemms(monkeypatch, rng):
     import torch
 
+    # The route is taken on CUDA only; forced here to run its GEMMs on CPU.
+    monkeypatch.setattr(fp8, "_torch_route_ok", lambda *a: True)
     calls = []
     original = torch._scaled_mm
 
@@ -125,6 +131,24 @@ def test_torch_scaled_mm_is_called_for_all_three_gemms(monkeypatch, rng):
     assert sorted(str(c[:2]) for c in calls[1:]) == sorted(str(p) for p in [(e5, e4), (e4, e5)])
     # Second operand column-major (stride of dim 0 is 1) for cuBLASLt.
     assert all(c[2][0] == 1 for c in calls)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch route only")
+def test_torch_route_matches_simulation_and_is_cuda_only(monkeypatch, rng):
+    import torch
+
+    eq = "ak,kn->an"
+    if not torch.cuda.is_available():
+        assert fp8.resolve_route(eq, (8, 64), (64, 32)) == "simulate"
+    monkeypatch.setattr(fp8, "_torch_route_ok", lambda *a: True)
+    x = rng.standard_normal((2, 4, 32)).astype("float32")
+    w = rng.standard_normal((32, 48)).astype("float32")
+    up = rng.standard_normal((2, 4, 48)).astype("float32")
+    sim = _loss_and_grads("simulate", x, w, up)
+    nat = _loss_and_grads("native", x, w, up)
+    assert fp8.last_fp8_route() == "torch-scaled_mm"
+    for a, b in zip(nat, sim):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.max(np.abs(b)))
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch route only")
