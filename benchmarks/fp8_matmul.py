@@ -8,8 +8,9 @@ and, per size, milliseconds and TFLOP/s for: float32 `keras.ops.matmul`,
 bfloat16 `keras.ops.matmul`, and the forward GEMM of
 `keras_scalify.backend.fp8.fp8_gemms` on the native and the simulated route
 (E4M3 operands, float32 accumulation).
-On a CPU the FP8 routes are emulated (XLA / torch upcast), so they are
-slower: FP8 speed needs FP8 hardware.
+On a CPU no route has FP8 arithmetic: jax and TensorFlow's native routes
+multiply the FP8 values as bfloat16 (exact, float32 accumulation) on the
+CPU's bfloat16 units, torch's upcasts; FP8 speed itself needs FP8 hardware.
 """
 
 import argparse

@@ -2,7 +2,7 @@
 
     KERAS_BACKEND=jax python benchmarks/step_time.py [--model mlp|gpt|both]
         [--steps 40] [--warmup 3] [--rounds 4] [--batch-size N]
-        [--fp8-route simulate] [--rows ROW ...] [--breakdown]
+        [--fp8-route auto] [--rows ROW ...] [--breakdown]
 
 Two models, each built six ways and trained with Adam by
 `model.train_on_batch` on one fixed batch (no input pipeline is timed):
@@ -36,8 +36,15 @@ Rows, each paired with its Keras counterpart:
 | Keras mixed_float16 | plain, global policy `mixed_float16` | Adam in Keras's `LossScaleOptimizer` (added by `compile`) |
 | scaled_fp16 | scaled, `scaled_fp16` | `ScaledOptimizer(Adam())` |
 | Keras float8 | plain float32, every Dense / EinsumDense `.quantize("float8")` (delayed scaling, E4M3 fwd / E5M2 bwd, simulated by quantize-dequantize) | Adam |
-| scaled_fp8 | scaled, `scaled_fp8` (FP8 GEMMs on `--fp8-route`, default the simulation; FP16 activations and master weights) | `ScaledOptimizer(Adam())` |
+| scaled_fp8 | scaled, `scaled_fp8` (FP8 GEMMs on `--fp8-route`, default `auto`: the backend's native route; FP16 activations and master weights) | `ScaledOptimizer(Adam())` |
 | scaled_fp8, float32 storage | scaled, the FP8 GEMMs of `scaled_fp8` with float32 activations and master weights, as Keras float8 keeps them | `ScaledOptimizer(Adam())` |
+| scaled_fp8, simulate route | scaled, `scaled_fp8` with its FP8 GEMMs on the simulation: float32 GEMMs on the FP8 values, as Keras float8 computes them | `ScaledOptimizer(Adam())` |
+
+On a CPU no route has FP8 arithmetic. On jax the native route multiplies
+the FP8 values as bfloat16 (exact) with float32 accumulation, on the
+CPU's bfloat16 units where it has them (`keras_scalify.backend.fp8`);
+Keras float8 multiplies them as float32. The last column names the route
+each row's FP8 GEMMs took.
 
 The MLP's scaled rows are `ksc.scalify(keras_mlp, dtype=...)`.
 
@@ -102,7 +109,12 @@ ROWS = [
     ("Keras float8", "keras_fp8", "float32", None),
     ("scaled_fp8", "scaled", "scaled_fp8", "Keras float8"),
     ("scaled_fp8, float32 storage", "scaled", FP8_FLOAT32_STORAGE, "Keras float8"),
+    ("scaled_fp8, simulate route", "scaled", "scaled_fp8", "Keras float8"),
 ]
+# Rows whose FP8 GEMMs take a fixed route (the others take `--fp8-route`):
+# the simulation runs float32 GEMMs on the dequantized FP8 values, as Keras
+# float8 does.
+ROUTES = {"scaled_fp8, simulate route": "simulate"}
 
 # Targets set by the issue: (row, backend or None for every backend, max ratio)
 TARGETS = {
@@ -255,14 +267,17 @@ def batch(model_name, args, batch_size):
 # --- timing --------------------------------------------------------------------
 
 
-def time_rows(models, x, y, steps, warmup, rounds):
+def time_rows(models, x, y, steps, warmup, rounds, routes):
     """Median seconds per `train_on_batch` of each model, timed in
     interleaved rounds (row order rotated each round) after `warmup` more
-    untimed calls each (the models have already run, and compiled, once)."""
+    untimed calls each (the models have already run, and compiled, once).
+    Each row runs under its FP8 route (`routes[row]`; torch resolves it on
+    every eager call)."""
     losses = {}
     for name, model in models.items():
-        for _ in range(warmup):
-            losses[name] = model.train_on_batch(x, y)
+        with fp8.fp8_route(routes[name]):
+            for _ in range(warmup):
+                losses[name] = model.train_on_batch(x, y)
     times = {name: [] for name in models}
     names = list(models)
     rounds = max(1, min(rounds, steps))
@@ -271,11 +286,23 @@ def time_rows(models, x, y, steps, warmup, rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             model = models[name]
-            for _ in range(n):
-                t0 = time.perf_counter()
-                losses[name] = model.train_on_batch(x, y)
-                times[name].append(time.perf_counter() - t0)
+            with fp8.fp8_route(routes[name]):
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    losses[name] = model.train_on_batch(x, y)
+                    times[name].append(time.perf_counter() - t0)
     return {name: float(np.median(t)) for name, t in times.items()}, losses
+
+
+def fp8_routes_taken(model):
+    """The FP8 GEMM routes the model's layers took (sorted names)."""
+    return sorted(
+        {
+            str(layer.fp8_route)
+            for layer in model._flatten_layers(recursive=True)
+            if getattr(layer, "fp8_route", None)
+        }
+    )
 
 
 def unbuilt(model):
@@ -378,9 +405,10 @@ def run_model(model_name, args):
     batch_size = args.batch_size or (128 if model_name == "mlp" else 16)
     x, y = batch(model_name, args, batch_size)
     rows = [r for r in ROWS if args.rows is None or r[0] in args.rows]
-    models, errors, unbuilt_notes = {}, {}, {}
-    with fp8.fp8_route(args.fp8_route):
-        for row, kind, policy, _ in rows:
+    route_of = {r[0]: ROUTES.get(r[0], args.fp8_route) for r in rows}
+    models, errors, unbuilt_notes, taken = {}, {}, {}, {}
+    for row, kind, policy, _ in rows:
+        with fp8.fp8_route(route_of[row]):
             try:
                 model = build(model_name, kind, policy, args)
                 model.train_on_batch(x, y)  # compiles: a failure shows here
@@ -388,25 +416,16 @@ def run_model(model_name, args):
             except Exception as e:  # a row that cannot run is reported
                 errors[row] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 continue
+            taken[row] = fp8_routes_taken(model)
             unbuilt_layers = unbuilt(model)
             if unbuilt_layers:
                 unbuilt_notes[row] = (unbuilt_layers, rebuild_cost(model, x, y, args))
-        med, losses = time_rows(models, x, y, args.steps, args.warmup - 1, args.rounds)
-        breakdown = {}
-        if args.breakdown and backend == "jax":
-            for row, model in models.items():
+    med, losses = time_rows(models, x, y, args.steps, args.warmup - 1, args.rounds, route_of)
+    breakdown = {}
+    if args.breakdown and backend == "jax":
+        for row, model in models.items():
+            with fp8.fp8_route(route_of[row]):
                 breakdown[row] = jax_breakdown(model, x, y, max(args.steps // 2, 3))
-    routes = sorted(
-        {
-            str(layer.fp8_route)
-            for layer in (
-                models["scaled_fp8"]._flatten_layers(recursive=True)
-                if "scaled_fp8" in models
-                else []
-            )
-            if getattr(layer, "fp8_route", None)
-        }
-    )
     base = models.get("Keras float32") or next(iter(models.values()), None)
     params = keras_params(base) if base is not None else "?"
     print(
@@ -414,15 +433,14 @@ def run_model(model_name, args):
         f"backend: {backend}; device: {device_name()}{threads_text()}; "
         f"keras {keras.__version__}; "
         f"median of {args.steps} train_on_batch steps per row ({args.rounds} "
-        f"interleaved rounds, after >= {args.warmup} warm-up steps incl. compilation); "
-        f"scaled_fp8 GEMM route: {', '.join(routes) or 'n/a'}\n"
+        f"interleaved rounds, after >= {args.warmup} warm-up steps incl. compilation)\n"
     )
-    print("| row | ms/step | ratio vs Keras counterpart | target | met |")
-    print("|---|---|---|---|---|")
+    print("| row | ms/step | ratio vs Keras counterpart | target | met | FP8 GEMM route |")
+    print("|---|---|---|---|---|---|")
     results = {}
     for row, _, _, counterpart in rows:
         if row in errors:
-            print(f"| {row} | failed | {errors[row]} | | |")
+            print(f"| {row} | failed | {errors[row]} | | | |")
             results[row] = (None, None)
             continue
         ms = med[row] * 1e3
@@ -436,7 +454,8 @@ def run_model(model_name, args):
         else:
             ratio_text = f"n/a ({counterpart} did not run)"
         results[row] = (ms, ratio)
-        print(f"| {row} | {ms:.2f} | {ratio_text} | {target} | {met} |")
+        route = ", ".join(taken.get(row, []))
+        print(f"| {row} | {ms:.2f} | {ratio_text} | {target} | {met} | {route} |")
     for row, (names, (before, after)) in unbuilt_notes.items():
         print(
             f"\nnote ({row}): {len(names)} sublayer(s) stay unbuilt after training "
@@ -499,9 +518,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--fp8-route",
         choices=["auto", "native", "simulate"],
-        default="simulate",
-        help="FP8 GEMM route of the scaled_fp8 rows (default: the simulation, "
-        "as Keras float8's quantize-dequantize)",
+        default="auto",
+        help="FP8 GEMM route of the scaled_fp8 rows (default: auto, the "
+        "backend's native route; the row 'scaled_fp8, simulate route' always "
+        "runs the simulation, float32 GEMMs as Keras float8)",
     )
     p.add_argument(
         "--rows", nargs="+", default=None, choices=[r[0] for r in ROWS], metavar="ROW",
