@@ -161,20 +161,26 @@ def _gemm_jax_bf16(equation, a, b, da, db):
     return jnp.einsum(equation, a16, b16, preferred_element_type=jnp.float32)
 
 
-_TF_FUNCTIONS = {}
+_TF_FUNCTIONS = {}  # (route, equation) -> XLA-compiled tf.function
+
+
+def _tf_xla(route, equation, body):
+    """The cached `jit_compile=True` function `body(a8, b8)` of a TF route."""
+    import tensorflow as tf
+
+    key = (route, equation)
+    if key not in _TF_FUNCTIONS:
+        _TF_FUNCTIONS[key] = tf.function(body, jit_compile=True, autograph=False)
+    return _TF_FUNCTIONS[key]
 
 
 def _gemm_tf(equation, a, b, da, db):
     import tensorflow as tf
 
-    fn = _TF_FUNCTIONS.get(equation)
-    if fn is None:
+    def body(a8, b8):
+        return tf.einsum(equation, tf.cast(a8, tf.float32), tf.cast(b8, tf.float32))
 
-        @tf.function(jit_compile=True, autograph=False)
-        def fn(a8, b8):
-            return tf.einsum(equation, tf.cast(a8, tf.float32), tf.cast(b8, tf.float32))
-
-        _TF_FUNCTIONS[equation] = fn
+    fn = _tf_xla("tensorflow-xla", equation, body)
     return fn(saturating_cast(a, da), saturating_cast(b, db))
 
 
@@ -196,29 +202,25 @@ def tf_matmul_flags(equation):
 def _gemm_tf_bf16(equation, a, b, da, db):
     import tensorflow as tf
 
-    key = ("bf16", equation)
-    fn = _TF_FUNCTIONS.get(key)
-    if fn is None:
-        transpose_a, transpose_b = tf_matmul_flags(equation)
+    transpose_a, transpose_b = tf_matmul_flags(equation)
 
-        @tf.function(jit_compile=True, autograph=False)
-        def fn(a8, b8):
-            return tf.linalg.matmul(
-                tf.cast(tf.cast(a8, tf.float32), tf.bfloat16),
-                tf.cast(tf.cast(b8, tf.float32), tf.bfloat16),
-                transpose_a=transpose_a,
-                transpose_b=transpose_b,
-                output_type=tf.float32,
-            )
+    def body(a8, b8):
+        return tf.linalg.matmul(
+            tf.cast(tf.cast(a8, tf.float32), tf.bfloat16),
+            tf.cast(tf.cast(b8, tf.float32), tf.bfloat16),
+            transpose_a=transpose_a,
+            transpose_b=transpose_b,
+            output_type=tf.float32,
+        )
 
-        _TF_FUNCTIONS[key] = fn
+    fn = _tf_xla("tensorflow-xla-bf16", equation, body)
     return fn(saturating_cast(a, da), saturating_cast(b, db))
 
 
 def tf_xla_function(equation, route="tensorflow-xla"):
     """The XLA-compiled TF function a TF route used for `equation` (for
     inspection)."""
-    return _TF_FUNCTIONS.get(("bf16", equation) if route == "tensorflow-xla-bf16" else equation)
+    return _TF_FUNCTIONS.get((route, equation))
 
 
 def _torch_mm(x8, y8):

@@ -31,6 +31,7 @@ from keras_scalify.ops._common import result_dtype
 from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import static_pow2_sqrt
 from keras_scalify.ops._gemm import scaled_gemms
+from keras_scalify.ops.shape import cast as _cast
 
 
 def _size(shape, name):
@@ -234,9 +235,7 @@ def einsum(subscripts, *operands, out_dtype=None):
         extra["out_dtype"] = out_dtype
     out = _contract(fn, xs, k, out_shape, **extra)
     if out_dtype is not None and out.dtype != out_dtype:
-        from keras_scalify.ops.shape import cast
-
-        out = cast(out, out_dtype)
+        out = _cast(out, out_dtype)
     return out
 
 
