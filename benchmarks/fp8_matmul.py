@@ -6,11 +6,13 @@ Square GEMMs of each size, forward only, each timed after a warm-up call
 (compiled with jax.jit / tf.function on those backends). Prints the device
 and, per size, milliseconds and TFLOP/s for: float32 `keras.ops.matmul`,
 bfloat16 `keras.ops.matmul`, and the forward GEMM of
-`keras_scalify.backend.fp8.fp8_gemms` on the native and the simulated route
-(E4M3 operands, float32 accumulation).
+`keras_scalify.backend.fp8.fp8_gemms` on the route "auto" takes (marked),
+the native and the simulated route (E4M3 operands, float32 accumulation).
 On a CPU no route has FP8 arithmetic: jax and TensorFlow's native routes
-multiply the FP8 values as bfloat16 (exact, float32 accumulation) on the
-CPU's bfloat16 units, torch's upcasts; FP8 speed itself needs FP8 hardware.
+multiply the FP8 values as bfloat16 (exact, float32 accumulation), faster
+than float32 on CPUs with bfloat16 units (the device line says whether this
+one has them; "auto" takes those routes only there); FP8 speed itself
+needs FP8 hardware.
 """
 
 import argparse
@@ -47,7 +49,23 @@ def device_name():
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
             return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return f"CPU ({cpu_model()}, {os.cpu_count()} cores, {_bf16_units()})"
+
+
+def cpu_model():
+    """The CPU's model name from /proc/cpuinfo (else the machine type)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _bf16_units():
+    return "bfloat16 units" if fp8.cpu_has_bfloat16() else "no bfloat16 units"
 
 
 def _sync(x):
@@ -81,9 +99,13 @@ def main(argv=None):
             ("float32 matmul", kb.jit(ops.matmul), a, b),
             ("bfloat16 matmul", kb.jit(ops.matmul), a16, b16),
         ]
-        for route in ("native", "simulate"):
+        taken = set()
+        for route in ("auto", "native", "simulate"):
             name, gemms = fp8.fp8_gemms("ak,kn->an", (n, n), (n, n), route=route)
-            runs.append((f"fp8 {name}", kb.jit(gemms.forward), a, b))
+            if name not in taken:  # "auto" is one of the others
+                taken.add(name)
+                label = f"fp8 {name}" + (" (auto)" if route == "auto" else "")
+                runs.append((label, kb.jit(gemms.forward), a, b))
         t32 = None
         for label, fn, x, y in runs:
             t = time_fn(fn, x, y, repeats=args.repeats)

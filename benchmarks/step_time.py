@@ -36,15 +36,18 @@ Rows, each paired with its Keras counterpart:
 | Keras mixed_float16 | plain, global policy `mixed_float16` | Adam in Keras's `LossScaleOptimizer` (added by `compile`) |
 | scaled_fp16 | scaled, `scaled_fp16` | `ScaledOptimizer(Adam())` |
 | Keras float8 | plain float32, every Dense / EinsumDense `.quantize("float8")` (delayed scaling, E4M3 fwd / E5M2 bwd, simulated by quantize-dequantize) | Adam |
-| scaled_fp8 | scaled, `scaled_fp8` (FP8 GEMMs on `--fp8-route`, default `auto`: the backend's native route; FP16 activations and master weights) | `ScaledOptimizer(Adam())` |
+| scaled_fp8 | scaled, `scaled_fp8` (FP8 GEMMs on `--fp8-route`, default `auto`; FP16 activations and master weights) | `ScaledOptimizer(Adam())` |
 | scaled_fp8, float32 storage | scaled, the FP8 GEMMs of `scaled_fp8` with float32 activations and master weights, as Keras float8 keeps them | `ScaledOptimizer(Adam())` |
 | scaled_fp8, simulate route | scaled, `scaled_fp8` with its FP8 GEMMs on the simulation: float32 GEMMs on the FP8 values, as Keras float8 computes them | `ScaledOptimizer(Adam())` |
 
-On a CPU no route has FP8 arithmetic. On jax the native route multiplies
-the FP8 values as bfloat16 (exact) with float32 accumulation, on the
-CPU's bfloat16 units where it has them (`keras_scalify.backend.fp8`);
-Keras float8 multiplies them as float32. The last column names the route
-each row's FP8 GEMMs took.
+On a CPU no route has FP8 arithmetic. `auto` takes the native route
+where it is faster: on jax and TensorFlow a bfloat16 GEMM of the FP8
+values (exact, float32 accumulation) on a CPU with bfloat16 units, else
+the float32 simulation (TensorFlow: compiled as one XLA function), with the
+FP8 rounding done in float32 arithmetic (`keras_scalify.backend.fp8`);
+Keras float8 quantizes with FP8 casts and multiplies as float32. The device
+line says whether the CPU has bfloat16 units; the last column names the
+route each row's FP8 GEMMs took.
 
 The MLP's scaled rows are `ksc.scalify(keras_mlp, dtype=...)`.
 

@@ -7,34 +7,46 @@ outputs; the two backward GEMMs quantize the output cotangent to
 `backward_dtype` (E5M2). `keras_scalify.ops.fp8_einsum` runs them under one
 custom gradient, with the scale rule's pow2 factors.
 
-Routes (`resolve_route` picks one; `"auto"` prefers native):
+Routes (`resolve_route` picks one). `"native"` takes the backend's own
+route below; `"auto"` takes it where it is faster than the simulation: on
+a GPU, and on a CPU only where the CPU has bfloat16 units (x86 flags
+`avx512_bf16` / `amx_bf16`, `cpu_has_bfloat16()`); without them XLA's
+bfloat16 GEMM is slower than its float32 GEMM, and `"auto"` takes the
+float32 simulation (`simulate` on jax, `tensorflow-xla-f32` on TF).
+On a CPU no FP8 tensor is formed: XLA's FP8 conversions take several
+times longer there than `core.formats.saturating_round`, which gives the
+same float32 values (bit for bit) in float32 arithmetic.
 - `jax-dot_general-fp8` (jax on GPU/TPU): `jnp.einsum` on FP8 operands
   with `preferred_element_type=float32`; on GPU the FP8 operands reach
   cuBLASLt.
-- `jax-dot_general-bf16` (jax on CPU, where XLA would upcast FP8 operands
-  to float32): the FP8 operands cast to bfloat16, which holds every E4M3
-  and E5M2 value exactly, and `jnp.einsum` with
-  `preferred_element_type=float32`. Every product of two FP8 values is
-  exact in float32, so this is the float32 GEMM of the simulation up to
-  summation order, on the CPU's bfloat16 units (AVX512-BF16 / AMX) where
-  it has them. The forward and input-gradient GEMMs; the weight gradient
-  `aᵀg` runs in float32 (see `_route_gemms`).
-- `tensorflow-xla`: FP8 tensors cast up inside a `jit_compile=True`
-  function (TF supports only casts on FP8; XLA rewrites the pattern into an
-  FP8 GEMM on GPUs that have one).
-- `tensorflow-xla-bf16` (TensorFlow without a GPU, for the 2-D matrix
-  products every Dense GEMM is flattened to): as `tensorflow-xla`, with
-  the FP8 values cast to bfloat16 and `tf.linalg.matmul(...,
-  output_type=float32)`: exact, as `jax-dot_general-bf16`.
+- `jax-dot_general-bf16` (jax on CPU, native): the operands rounded to
+  their FP8 values, cast to bfloat16 (which holds every E4M3 and E5M2
+  value exactly), and `jnp.einsum` with `preferred_element_type=float32`.
+  Every product of two FP8 values is exact in float32, so this is the
+  float32 GEMM of the simulation up to summation order, on the CPU's
+  bfloat16 units (AVX512-BF16 / AMX). The forward and input-gradient
+  GEMMs; the weight gradient `aᵀg` runs in float32 (see `_route_gemms`).
+- `tensorflow-xla` (TF on a GPU): saturating casts to FP8 and back to
+  float32 and the einsum in one `jit_compile=True` function (TF supports
+  only casts on FP8; XLA rewrites the pattern into an FP8 GEMM on GPUs
+  that have one).
+- `tensorflow-xla-bf16` (TF on a CPU, native, for the 2-D matrix
+  products every Dense GEMM is flattened to): as `jax-dot_general-bf16`,
+  with `tf.linalg.matmul(..., output_type=float32)`, in one XLA function.
+- `tensorflow-xla-f32` (TF on a CPU otherwise): the simulation's rounding
+  and float32 einsum in one XLA function (Keras runs TF without XLA on a
+  CPU, where each rounding op would be its own pass).
 - `torch-scaled_mm`: `torch._scaled_mm` for 2-D GEMMs (inputs are
   flattened to 2-D), on CUDA with compute capability >= 8.9 and K, N
   multiples of 16; else (and on CPU, where `_scaled_mm` is a slow
   reference kernel) the simulation.
-- `simulate`: saturate, cast to FP8, cast back, float32 einsum: the
-  reference, on any backend.
+- `simulate`: the operands rounded to their FP8 format (saturating) as
+  float32 values, float32 einsum: the reference, on any backend (jax
+  rounds with `saturating_round`, TF and torch cast to FP8 and back).
 """
 
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -47,6 +59,7 @@ from keras_scalify.backend.gemm import flattened
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import is_2d
 from keras_scalify.core.formats import saturating_cast
+from keras_scalify.core.formats import saturating_round
 
 ROUTES = ("auto", "native", "simulate")
 _STATE = {"route": "auto", "last": None}
@@ -111,6 +124,22 @@ def _matmul_2d(equation):
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_has_bfloat16(cpuinfo="/proc/cpuinfo"):
+    """Whether the CPU has bfloat16 GEMM units (AVX512-BF16 or AMX-BF16),
+    from the flags in `cpuinfo` (False where it cannot be read)."""
+    try:
+        with open(cpuinfo) as f:
+            text = f.read()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def resolve_route(equation, a_shape, b_shape, route=None):
     """The route name an FP8 einsum with these shapes takes."""
     route = route or get_fp8_route()
@@ -118,18 +147,23 @@ def resolve_route(equation, a_shape, b_shape, route=None):
         raise ValueError(f"`route` must be one of {ROUTES}, got {route!r}.")
     if route == "simulate":
         return "simulate"
+    # On a CPU the native routes multiply as bfloat16: only faster than the
+    # simulation's float32 GEMM on bfloat16 units.
+    cpu_native = route == "native" or cpu_has_bfloat16()
     backend = keras.config.backend()
     if backend == "jax":
         import jax
 
         if jax.default_backend() == "cpu":
-            return "jax-dot_general-bf16"
+            return "jax-dot_general-bf16" if cpu_native else "simulate"
         return "jax-dot_general-fp8"
     if backend == "tensorflow":
         import tensorflow as tf
 
-        if not tf.config.list_physical_devices("GPU") and tf_matmul_flags(equation):
-            return "tensorflow-xla-bf16"
+        if not tf.config.list_physical_devices("GPU"):
+            if tf_matmul_flags(equation) and cpu_native:
+                return "tensorflow-xla-bf16"
+            return "tensorflow-xla-f32"
         return "tensorflow-xla"
     if backend == "torch" and _torch_route_ok(a_shape, b_shape, equation):
         return "torch-scaled_mm"
@@ -139,9 +173,19 @@ def resolve_route(equation, a_shape, b_shape, route=None):
 # --- GEMM implementations --------------------------------------------------
 
 
+def quantized_float32(x, dtype):
+    """`saturating_cast(x, dtype)` as float32 values: on jax (compiled by
+    XLA) rounded in float32 arithmetic, where XLA's FP8 conversions are
+    slow on CPU; elsewhere cast there and back (TensorFlow without XLA and
+    torch's eager mode run each op as its own pass)."""
+    if keras.config.backend() == "jax":
+        return saturating_round(x, dtype)
+    return ops.cast(saturating_cast(x, dtype), "float32")
+
+
 def _gemm_simulate(equation, a, b, da, db):
-    qa = ops.cast(saturating_cast(a, da), "float32")
-    qb = ops.cast(saturating_cast(b, db), "float32")
+    qa = quantized_float32(a, da)
+    qb = quantized_float32(b, db)
     return ops.einsum(equation, qa, qb)
 
 
@@ -156,19 +200,22 @@ def _gemm_jax(equation, a, b, da, db):
 def _gemm_jax_bf16(equation, a, b, da, db):
     import jax.numpy as jnp
 
-    a16 = saturating_cast(a, da).astype(jnp.bfloat16)
-    b16 = saturating_cast(b, db).astype(jnp.bfloat16)
+    a16 = saturating_round(a, da).astype(jnp.bfloat16)
+    b16 = saturating_round(b, db).astype(jnp.bfloat16)
     return jnp.einsum(equation, a16, b16, preferred_element_type=jnp.float32)
 
 
-_TF_FUNCTIONS = {}  # (route, equation) -> XLA-compiled tf.function
+_TF_FUNCTIONS = {}  # (route, equation, dtypes) -> XLA-compiled tf.function
 
 
-def _tf_xla(route, equation, body):
-    """The cached `jit_compile=True` function `body(a8, b8)` of a TF route."""
+def _tf_xla(route, equation, da, db, body):
+    """Run `body(a, b)` of a TF route as a cached `jit_compile=True`
+    function: the FP8 rounding and the GEMM compile together (Keras runs
+    TensorFlow without XLA on a CPU, where each rounding op would be its
+    own pass)."""
     import tensorflow as tf
 
-    key = (route, equation)
+    key = (route, equation, da, db)
     if key not in _TF_FUNCTIONS:
         _TF_FUNCTIONS[key] = tf.function(body, jit_compile=True, autograph=False)
     return _TF_FUNCTIONS[key]
@@ -177,11 +224,21 @@ def _tf_xla(route, equation, body):
 def _gemm_tf(equation, a, b, da, db):
     import tensorflow as tf
 
-    def body(a8, b8):
-        return tf.einsum(equation, tf.cast(a8, tf.float32), tf.cast(b8, tf.float32))
+    def body(a, b):
+        qa = tf.cast(saturating_cast(a, da), tf.float32)
+        qb = tf.cast(saturating_cast(b, db), tf.float32)
+        return tf.einsum(equation, qa, qb)
 
-    fn = _tf_xla("tensorflow-xla", equation, body)
-    return fn(saturating_cast(a, da), saturating_cast(b, db))
+    return _tf_xla("tensorflow-xla", equation, da, db, body)(a, b)
+
+
+def _gemm_tf_f32(equation, a, b, da, db):
+    import tensorflow as tf
+
+    def body(a, b):
+        return tf.einsum(equation, saturating_round(a, da), saturating_round(b, db))
+
+    return _tf_xla("tensorflow-xla-f32", equation, da, db, body)(a, b)
 
 
 def tf_matmul_flags(equation):
@@ -204,23 +261,22 @@ def _gemm_tf_bf16(equation, a, b, da, db):
 
     transpose_a, transpose_b = tf_matmul_flags(equation)
 
-    def body(a8, b8):
+    def body(a, b):
         return tf.linalg.matmul(
-            tf.cast(tf.cast(a8, tf.float32), tf.bfloat16),
-            tf.cast(tf.cast(b8, tf.float32), tf.bfloat16),
+            tf.cast(saturating_round(a, da), tf.bfloat16),
+            tf.cast(saturating_round(b, db), tf.bfloat16),
             transpose_a=transpose_a,
             transpose_b=transpose_b,
             output_type=tf.float32,
         )
 
-    fn = _tf_xla("tensorflow-xla-bf16", equation, body)
-    return fn(saturating_cast(a, da), saturating_cast(b, db))
+    return _tf_xla("tensorflow-xla-bf16", equation, da, db, body)(a, b)
 
 
-def tf_xla_function(equation, route="tensorflow-xla"):
-    """The XLA-compiled TF function a TF route used for `equation` (for
-    inspection)."""
-    return _TF_FUNCTIONS.get((route, equation))
+def tf_xla_function(equation, route="tensorflow-xla", dtypes=("float8_e4m3fn", "float8_e4m3fn")):
+    """The XLA-compiled TF function a TF route used for `equation` and the
+    operands' FP8 `dtypes` (for inspection)."""
+    return _TF_FUNCTIONS.get((route, equation) + tuple(dtypes))
 
 
 def _torch_mm(x8, y8):
@@ -249,6 +305,7 @@ _GEMMS = {
     "jax-dot_general-bf16": _gemm_jax_bf16,
     "tensorflow-xla": _gemm_tf,
     "tensorflow-xla-bf16": _gemm_tf_bf16,
+    "tensorflow-xla-f32": _gemm_tf_f32,
     "torch-scaled_mm": _gemm_torch,
 }
 

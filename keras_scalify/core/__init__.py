@@ -4,6 +4,7 @@ from keras_scalify.core.formats import FORMATS
 from keras_scalify.core.formats import FloatFormat
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.formats import saturating_cast
+from keras_scalify.core.formats import saturating_round
 from keras_scalify.core.pow2 import pow2_decompose
 from keras_scalify.core.pow2 import pow2_exponent
 from keras_scalify.core.pow2 import pow2_from_exponent

@@ -2,6 +2,7 @@
 prove which route ran."""
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from keras import ops
@@ -37,6 +38,17 @@ def _native_route():
 
 
 NATIVE = _native_route()
+
+
+def _auto_route():
+    """"auto": native, except on a CPU without bfloat16 units (bfloat16
+    GEMMs slower than float32 there), where it simulates."""
+    if NATIVE in ("jax-dot_general-bf16", "tensorflow-xla-bf16") and not fp8.cpu_has_bfloat16():
+        return "simulate" if BACKEND == "jax" else "tensorflow-xla-f32"
+    return NATIVE
+
+
+AUTO = _auto_route()
 
 
 def _loss_and_grads(route, x, w, up, einsum=None, compiled=False):
@@ -185,7 +197,8 @@ def test_jax_dots_take_the_route_operands(route, operand, rng):
     assert dots and all(f"tensor<8x32x{operand}>" in line for line in dots), dots
     assert all("-> tensor<8x16xf32>" in line for line in dots), dots
     if operand == "bf16":
-        assert "f8E4M3FN" in text  # the operands are rounded to E4M3 first
+        # Rounded to E4M3 in float32 arithmetic: no FP8 tensor on the CPU.
+        assert "f8E4M3FN" not in text
     sim = fp8._route_gemms("simulate", "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
     np.testing.assert_allclose(
         to_np(gemms.forward(x, w)), to_np(sim.forward(x, w)), rtol=1e-6, atol=1e-6
@@ -202,23 +215,28 @@ def test_jax_route_follows_the_platform():
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tensorflow route only")
 @pytest.mark.parametrize(
-    "route, dot_operand", [("tensorflow-xla", "f32[8,32]"), ("tensorflow-xla-bf16", "bf16[8,32]")]
+    "route, dot_operand",
+    [("tensorflow-xla", "f32[8,32]"), ("tensorflow-xla-bf16", "bf16[8,32]"), ("tensorflow-xla-f32", "f32[8,32]")],
 )
 def test_tensorflow_routes_are_compiled_with_xla(route, dot_operand, rng):
+    """Rounding and GEMM in one XLA function; FP8 tensors only on the
+    route meant for GPUs (XLA's FP8 GEMM rewrite needs them)."""
     x = ops.convert_to_tensor(rng.standard_normal((8, 32)).astype("float32"))
     w = ops.convert_to_tensor(rng.standard_normal((32, 16)).astype("float32"))
     gemms = fp8._route_gemms(route, "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
     y = gemms.forward(x, w)
     fn = fp8.tf_xla_function("ak,kn->an", route)
     assert fn is not None
-    a8 = ksc.core.saturating_cast(x, "float8_e4m3fn")
-    b8 = ksc.core.saturating_cast(w, "float8_e4m3fn")
-    hlo = fn.experimental_get_compiler_ir(a8, b8)(stage="hlo")
-    assert "f8e4m3fn" in hlo.lower() and "dot" in hlo
+    hlo = fn.experimental_get_compiler_ir(x, w)(stage="hlo")
+    assert ("f8e4m3fn" in hlo.lower()) == (route == "tensorflow-xla")
     dots = [line for line in hlo.splitlines() if " dot(" in line]
     assert dots and all(dot_operand in line and "f32[8,16]" in line for line in dots), dots
     sim = fp8._route_gemms("simulate", "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
     np.testing.assert_allclose(to_np(y), to_np(sim.forward(x, w)), rtol=1e-6, atol=1e-6)
+    # The backward GEMMs take the E5M2 cotangent: their own XLA functions.
+    g = ops.convert_to_tensor(rng.standard_normal((8, 16)).astype("float32"))
+    np.testing.assert_allclose(to_np(gemms.grad_a(g, w)), to_np(sim.grad_a(g, w)), rtol=1e-6, atol=1e-6)
+    assert fp8.tf_xla_function("an,kn->ak", route, ("float8_e5m2", "float8_e4m3fn")) is not None
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tensorflow route only")
@@ -228,6 +246,45 @@ def test_tensorflow_matmul_flags():
     assert fp8.tf_matmul_flags("mk,mn->kn") == (True, False)
     assert fp8.tf_matmul_flags("mk,kn->nm") is None
     assert fp8.tf_matmul_flags("abc,cd->abd") is None
+
+
+def test_cpu_bfloat16_units_are_read_from_the_cpu_flags(tmp_path):
+    def has(flags):
+        path = tmp_path / f"cpuinfo{len(flags)}"
+        path.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n\nprocessor\t: 1\n")
+        return fp8.cpu_has_bfloat16(str(path))
+
+    assert has("avx2 avx512f avx512_bf16")
+    assert has("avx2 amx_bf16 amx_tile")
+    assert not has("avx2 fma f16c")
+    assert not fp8.cpu_has_bfloat16(str(tmp_path / "missing"))
+
+
+def test_auto_route_simulates_on_a_cpu_without_bfloat16_units(monkeypatch):
+    eq = "ak,kn->an"
+    assert fp8.resolve_route(eq, (2, 16), (16, 16), "auto") == AUTO
+    if NATIVE not in ("jax-dot_general-bf16", "tensorflow-xla-bf16"):
+        pytest.skip(f"native route {NATIVE} is not a CPU bfloat16 route")
+    monkeypatch.setattr(fp8, "cpu_has_bfloat16", lambda: False)
+    want = "simulate" if BACKEND == "jax" else "tensorflow-xla-f32"
+    assert fp8.resolve_route(eq, (2, 16), (16, 16), "auto") == want
+    assert fp8.resolve_route(eq, (2, 16), (16, 16), "native") == NATIVE
+    monkeypatch.setattr(fp8, "cpu_has_bfloat16", lambda: True)
+    assert fp8.resolve_route(eq, (2, 16), (16, 16), "auto") == NATIVE
+
+
+def test_simulation_rounds_in_float32_arithmetic_on_jax(rng):
+    """jax (always compiled) rounds to FP8 in float32 arithmetic; TF and
+    torch cast to FP8 and back. Same values either way."""
+    x = rng.standard_normal((8, 32)).astype("float32") * 100
+    got = to_np(fp8.quantized_float32(ops.convert_to_tensor(x), "float8_e4m3fn"))
+    want = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    if BACKEND == "jax":
+        import jax
+
+        text = jax.jit(lambda t: fp8.quantized_float32(t, "float8_e5m2")).lower(x).as_text()
+        assert "f8E5M2" not in text and "round_nearest_even" in text
 
 
 def test_route_setting_and_bad_route():
@@ -256,6 +313,9 @@ def test_layer_reports_its_route(rng):
     layer = ksc.layers.ScaledDense(16, dtype="scaled_fp8")
     x = rng.standard_normal((4, 32)).astype("float32")
     layer(x)
+    assert layer.fp8_route == AUTO
+    with fp8.fp8_route("native"):
+        layer(x)
     assert layer.fp8_route == NATIVE
     with fp8.fp8_route("simulate"):
         layer(x)

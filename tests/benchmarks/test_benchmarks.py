@@ -117,4 +117,11 @@ def test_fp8_matmul(capsys):
     lines = [line for line in out.splitlines() if line.strip().startswith("32 ")]
     labels = " ".join(lines)
     assert "float32 matmul" in labels and "fp8 simulate" in labels
-    assert len(lines) == 4
+    # One row per distinct route of "auto", "native" and "simulate"; the
+    # one "auto" took is marked.
+    from keras_scalify.backend import fp8
+
+    routes = {fp8.resolve_route("ak,kn->an", (32, 32), (32, 32), r) for r in fp8.ROUTES}
+    assert len(lines) == 2 + len(routes)
+    auto = fp8.resolve_route("ak,kn->an", (32, 32), (32, 32), "auto")
+    assert f"fp8 {auto} (auto)" in labels

@@ -1,5 +1,6 @@
 """FORMATS table and saturating_cast (clip to ±max, then round to nearest
-even), eager and compiled, from float16/bfloat16/float32 inputs."""
+even), eager and compiled, from float16/bfloat16/float32 inputs; and
+saturating_round, its float32 values in float32 arithmetic."""
 
 import keras
 import ml_dtypes
@@ -10,6 +11,7 @@ from keras.src.backend import standardize_dtype
 from keras_scalify.core import FORMATS
 from keras_scalify.core import get_format
 from keras_scalify.core import saturating_cast
+from keras_scalify.core import saturating_round
 
 INPUT_DTYPES = ["float16", "bfloat16", "float32"]
 
@@ -178,3 +180,48 @@ def test_cast_to_a_wider_range_is_a_plain_cast(run, src, dst):
         special = keras.ops.cast(np.asarray([np.inf, -np.inf, np.nan], np.float32), src)
         got = values_of(run(cast_fn(dst), special))
         assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]), got
+
+
+# --- saturating_round ------------------------------------------------------------
+def _edge_values():
+    """Random values over 16 decades, a sweep of float32 bit patterns
+    (NaNs and infs included), and each format's boundaries and ties."""
+    rng = np.random.default_rng(0)
+    parts = [
+        (rng.standard_normal(4096) * 10.0**e).astype(np.float32) for e in range(-8, 8)
+    ]
+    parts.append(np.arange(0, 2**32, 2**32 // 20000, dtype=np.uint64).astype(np.uint32).view(np.float32))
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.0, 65520.0, 2.0**-24, 2.0**-25]
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        fmt = FORMATS[name]
+        tiny, normal, top = fmt.smallest_subnormal, fmt.smallest_normal, fmt.max
+        special += [top, top * 1.01, top * 1.2, normal, normal * (1 - 2.0**-5), tiny, tiny / 2, tiny * 1.5, tiny * 2.5]
+    # Ties of the 3- and 2-bit mantissas (round to even both ways).
+    special += [1.0625, 1.1875, 1.125, 1.375, 3 * 2.0**-10, 5 * 2.0**-10]
+    special = np.asarray(special, np.float32)
+    parts += [special, -special]
+    return np.concatenate(parts)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float16"])
+def test_saturating_round_is_saturating_cast_bit_for_bit(run, dtype):
+    x = _edge_values()
+    got = keras.ops.convert_to_numpy(run(lambda t: saturating_round(t, dtype), x))
+    assert got.dtype == np.float32
+    # The independent reference: ml_dtypes' cast after the clip.
+    fmax = FORMATS[dtype].max
+    with np.errstate(invalid="ignore"):
+        want = np.clip(x, -fmax, fmax).astype(getattr(ml_dtypes, dtype, np.float16)).astype(np.float32)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (x[~same][:5], got[~same][:5], want[~same][:5])
+    # And the backend's own saturating cast.
+    cast = values_of(saturating_cast(x, dtype)).astype(np.float32)
+    assert ((got.view(np.uint32) == cast.view(np.uint32)) | (np.isnan(got) & np.isnan(cast))).all()
+
+
+def test_saturating_round_takes_float16_input_and_refuses_other_formats():
+    x = keras.ops.cast(np.asarray([300.0, 460.0, -1e-3], np.float32), "float16")
+    got = keras.ops.convert_to_numpy(saturating_round(x, "float8_e4m3fn"))
+    np.testing.assert_array_equal(got, np.float32([288.0, 448.0, -(2.0**-9)]))
+    with pytest.raises(ValueError, match="dtype"):
+        saturating_round(x, "bfloat16")
