@@ -75,10 +75,9 @@ def saturating_cast(x, dtype):
     return ops.cast(x, fmt.name)
 
 
-# Formats `saturating_round` handles: (mantissa bits, exponent of the
-# smallest normal). Their subnormal spacing 2^(emin - m) and its reciprocal
-# are float32 normals.
-_GRID = {"float8_e4m3fn": (3, -6), "float8_e5m2": (2, -14), "float16": (10, -14)}
+# Formats `saturating_round` handles: their subnormal spacing and its
+# reciprocal are float32 normals (not so for bfloat16).
+_ROUNDABLE = ("float8_e4m3fn", "float8_e5m2", "float16")
 
 
 def saturating_round(x, dtype):
@@ -94,13 +93,15 @@ def saturating_round(x, dtype):
     longer. `dtype`: float8_e4m3fn, float8_e5m2 or float16.
     """
     name = standardize_dtype(dtype)
-    if name not in _GRID:
+    if name not in _ROUNDABLE:
         raise ValueError(
-            f"saturating_round supports dtype in {sorted(_GRID)}; got "
+            f"saturating_round supports dtype in {sorted(_ROUNDABLE)}; got "
             f"dtype={dtype!r}."
         )
-    m, emin = _GRID[name]
-    fmax = FORMATS[name].max
+    fmt = FORMATS[name]
+    q = fmt.smallest_subnormal  # the subnormal spacing
+    m = int(np.log2(fmt.smallest_normal / q))  # mantissa bits
+    fmax = fmt.max
     x = ops.clip(ops.cast(x, "float32"), -fmax, fmax)
     a = ops.abs(x)
     shift = 23 - m
@@ -108,8 +109,7 @@ def saturating_round(x, dtype):
     lowest_kept = ops.bitwise_and(ops.right_shift(bits, shift), 1)
     bits = bits + ((1 << (shift - 1)) - 1) + lowest_kept
     normal = ops.view(ops.bitwise_and(bits, -(1 << shift)), "float32")
-    q = 2.0 ** (emin - m)
     subnormal = ops.round(a * (1.0 / q)) * q
-    r = ops.where(a < 2.0**emin, subnormal, normal)
+    r = ops.where(a < fmt.smallest_normal, subnormal, normal)
     r = ops.where(ops.isnan(a), a, r)
     return ops.where(ops.signbit(x), -r, r)
