@@ -26,13 +26,20 @@ output would be cut to its `data` by `clone_model`'s bookkeeping.
 import keras
 from keras import tree
 
+from keras_scalify.convert_inplace import all_layers
+from keras_scalify.convert_inplace import convert_in_place
+from keras_scalify.convert_inplace import warn_unconverted
 from keras_scalify.core.scaled_tensor import is_scaled
 
-# Keras class name -> scaled class name in `keras_scalify.layers`. Classes
-# are matched exactly (a subclass of Dense may change `call`).
+# Keras class name -> scaled class name in `keras_scalify.layers`. A layer
+# matches its class exactly, or a subclass that keeps the class's `call`,
+# `build` and output-spec methods (keras-hub's `ReversibleEmbedding`); a
+# subclass that changes them (keras-hub's `CachedMultiHeadAttention`) is a
+# custom layer, converted inside.
 _SCALED_NAMES = {
     "Dense": "ScaledDense",
     "EinsumDense": "ScaledEinsumDense",
+    "ReversibleEmbedding": "ScaledReversibleEmbedding",
     "LayerNormalization": "ScaledLayerNormalization",
     "RMSNormalization": "ScaledRMSNormalization",
     "Embedding": "ScaledEmbedding",
@@ -65,11 +72,44 @@ def _scaled_class(keras_name, layer):
     return cls
 
 
+# The layers converted inside custom layers: those holding weights (GEMMs,
+# lookups, norms).
+_IN_PLACE = (
+    "Dense",
+    "EinsumDense",
+    "ReversibleEmbedding",
+    "Embedding",
+    "LayerNormalization",
+    "RMSNormalization",
+    "MultiHeadAttention",
+)
+
+_KEPT_METHODS = ("call", "build", "compute_output_spec", "compute_output_shape")
+
+
 def _convertible_name(layer):
     for keras_name in _SCALED_NAMES:
-        if type(layer) is _keras_class(keras_name):
+        cls = _keras_class(keras_name)
+        if type(layer) is cls:
+            return keras_name
+    for keras_name in _SCALED_NAMES:
+        cls = _keras_class(keras_name)
+        if isinstance(layer, cls) and all(
+            getattr(type(layer), m, None) is getattr(cls, m, None)
+            for m in _KEPT_METHODS
+        ):
             return keras_name
     return None
+
+
+def _is_graph_model(model):
+    """A plain Sequential or Functional model (not a subclass): its graph is
+    rebuilt by `scalify`. Every other model is converted in place."""
+    from keras.src.models.functional import Functional
+
+    return type(model) in (keras.Sequential, keras.Model, Functional) and (
+        isinstance(model, keras.Sequential) or hasattr(model, "_nodes_by_depth")
+    )
 
 
 # --- graph walking -----------------------------------------------------------
@@ -245,30 +285,6 @@ def _all_layers(model):
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
-def _clone_plain(layer):
-    """A fresh copy of an unconverted layer (weights copied after build).
-
-    A layer without variables that cannot be rebuilt from its config (a
-    `Lambda` wrapping a Python lambda, which safe-mode deserialization
-    refuses) is reused as is: it holds no state to share.
-    """
-    try:
-        return layer.__class__.from_config(layer.get_config())
-    except Exception as e:
-        if not layer.variables:
-            return layer
-        raise ValueError(
-            f"Layer {layer.name!r} ({type(layer).__name__}) has no scaled "
-            f"counterpart and could not be cloned from its config: {e}"
-        ) from e
-
-
-def _copy_weights_after_call(old, new):
-    if old.weights and not getattr(new, "_keras_scalify_weights_set", False):
-        new.set_weights(old.get_weights())
-        new._keras_scalify_weights_set = True
-
-
 def _model_input_struct(model):
     return tree.map_structure(
         lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
@@ -318,14 +334,11 @@ def _check_model(model, fn_name):
             f"`model` of {fn_name} must be a keras.Model, got "
             f"{type(model).__name__}."
         )
-    if not isinstance(model, keras.Sequential) and not hasattr(
-        model, "_nodes_by_depth"
-    ):
+    if not model.built:
         raise ValueError(
-            f"`model` of {fn_name} must be a Sequential or Functional model; "
-            f"{type(model).__name__} is a subclassed model, whose graph "
-            f"cannot be read. Convert its layers with "
-            f"`ScaledX.from_keras(layer)` instead."
+            f"`model` {model.name!r} of {fn_name} must be built: build it by "
+            f"calling it on data (or start a Sequential with "
+            f"`keras.Input(...)`) first."
         )
 
 
@@ -359,7 +372,6 @@ class _ScalifyStep:
         self.exclude = exclude
         self.layers = {}  # id(old layer) -> new layer
         self.converted = set()  # ids of new layers converted from Keras
-        self.clones = set()  # ids of cloned layers (weights set after call)
         self.as_scaled = {}  # id(plain tensor) -> ScaledTensor
         self.to_array = {}  # id(ScaledTensor data) -> tensor
 
@@ -379,21 +391,58 @@ class _ScalifyStep:
         if isinstance(layer, keras.Model) and not excluded:
             new = scalify(layer, dtype=self.dtype, exclude=self.exclude)
         elif keras_name is not None:
-            cls = _scaled_class(keras_name, layer)
-            overrides = {} if self.dtype is None else {"dtype": self.dtype}
-            try:
-                new = cls.from_keras(layer, **overrides)
-            except ValueError as e:
-                raise ValueError(
-                    f"{e} (scalify: pass `exclude=[{layer.name!r}]` to keep "
-                    f"this layer as a plain Keras layer.)"
-                ) from e
+            new = self._convert(layer, keras_name)
             self.converted.add(id(new))
         else:
-            new = _clone_plain(layer)
-            self.clones.add(id(new))
+            # Kept, with the layers inside it converted in place.
+            new = layer
+            if not excluded:
+                self.inside(layer)
         self.layers[id(layer)] = new
         return new
+
+    def _convert(self, layer, keras_name):
+        cls = _scaled_class(keras_name, layer)
+        overrides = {} if self.dtype is None else {"dtype": self.dtype}
+        try:
+            return cls.from_keras(layer, **overrides)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (scalify: pass `exclude=[{layer.name!r}]` to keep "
+                f"this layer as a plain Keras layer.)"
+            ) from e
+
+    def choose(self, layer):
+        """In-place conversion inside custom layers (`convert_inplace`):
+        a plain-I/O scaled layer, None to descend, False to keep."""
+        from keras_scalify.layers.base import ScaledLayer
+
+        if self._excluded(layer) or isinstance(layer, ScaledLayer):
+            return False
+        keras_name = _convertible_name(layer)
+        if keras_name is None:
+            return None
+        if keras_name not in _IN_PLACE or not layer.built:
+            # Weightless layers gain nothing from scaling between plain
+            # code; an unbuilt layer was never called.
+            return False
+        try:
+            # Same path as `layer` (its variables' paths too): paths name
+            # weights in optimizers, layout maps and summaries.
+            with keras.name_scope(_parent_path(layer)):
+                new = self._convert(layer, keras_name)
+        except ValueError as e:
+            warn_unconverted(layer, e)
+            return None
+        new.enable_plain_io(_plain_dtype_of(layer))
+        return new
+
+    def inside(self, root):
+        """Converts the layers inside `root` in place; the plain layers left
+        under a scaled policy compute in float32."""
+        convert_in_place(root, self.choose)
+        for layer in all_layers(root):
+            _plain_policy_to_float32(layer)
 
     def _record(self, layer):
         if self.called is not None:
@@ -442,45 +491,58 @@ class _ScalifyStep:
         if id(new) in self.converted and not isinstance(new, ScaledEmbedding):
             args = tuple(_map_structure(self._wrap_as_scaled, a) for a in args)
         self._record(new)
-        out = new(*args, **kwargs)
-        if id(new) in self.clones:
-            _copy_weights_after_call(layer, new)
-        return out
+        return new(*args, **kwargs)
 
     def finish(self, outputs):
         return _map_structure(self._unwrap, outputs)
 
 
 def scalify(model, dtype=None, exclude=()):
-    """A new model computing `model` with scaled layers.
+    """`model` computed with scaled layers.
 
-    Dense, EinsumDense, LayerNormalization, RMSNormalization, Embedding,
-    Activation, Add, Dropout and MultiHeadAttention layers (exact classes)
-    are replaced by their `keras_scalify.layers` counterparts holding the
-    same represented weights (`ScaledX.from_keras`), keeping their names;
-    ScaledTensors flow between them. An `AsScaled` layer is inserted where
-    a plain floating tensor enters a converted layer, a `ToArray` layer
-    before every other layer that would receive a ScaledTensor and on every
-    model output, so the new model takes and returns plain tensors.
-    Unconverted layers are cloned with their weights; nested Sequential /
-    Functional models are converted recursively. A compiled model's compile
-    config is applied to the new one, its optimizer wrapped in a
-    `ScaledOptimizer` when the new model has scaled weights. The original model is not modified.
+    Dense, EinsumDense, Embedding, ReversibleEmbedding, LayerNormalization,
+    RMSNormalization, Activation, Add, Dropout and MultiHeadAttention layers
+    (the Keras classes, or subclasses that keep their `call`) become their
+    `keras_scalify.layers` counterparts holding the same represented
+    weights (`ScaledX.from_keras`), keeping their names.
 
-    Under the float32 policy the new model's predictions equal the
+    - A plain Sequential or Functional model is rebuilt: ScaledTensors flow
+      between its converted layers, `AsScaled` is inserted where a plain
+      floating tensor enters one, `ToArray` before every other layer that
+      would receive a ScaledTensor and on every output. A new model is
+      returned; its unconverted layers are `model`'s own (not copies).
+    - Inside every other layer — custom layers, keras-hub transformer
+      blocks and attention layers, Keras's MultiHeadAttention subclasses —
+      and inside every other model (keras-hub Backbones and tasks,
+      subclassed models), the convertible sublayers are replaced *in place*
+      (attributes, lists, tracked layers, Functional graph nodes; a shared
+      layer stays shared) by scaled layers with plain input and output
+      (`ScaledLayer.enable_plain_io`), since the code around them runs
+      `keras.ops` on plain tensors. Such a model is returned itself,
+      converted. Plain layers left under a scaled dtype policy compute in
+      float32.
+
+    So `model` is modified wherever it contains custom layers or is not a
+    plain Sequential/Functional model (as `model.quantize` does): keep a
+    copy if you need the original. A compiled model is compiled again with
+    its compile config, its optimizer wrapped in a `ScaledOptimizer` when
+    the model has scaled weights.
+
+    Under the float32 policy the converted model's predictions equal the
     original's (up to float32 rounding). Set a scaled policy first
     (`keras.config.set_dtype_policy("scaled_fp8")`) or pass `dtype` to
     train in low precision.
 
     Args:
-        model: a built Sequential or Functional `keras.Model`.
+        model: a built `keras.Model`.
         dtype: None (keep each layer's dtype policy) or a policy (e.g.
             `"scaled_fp8"`) for the converted and boundary layers.
-        exclude: layer names or classes to keep as plain Keras layers.
+        exclude: layer names or classes to keep as plain Keras layers (with
+            everything inside them).
 
     Returns:
-        A new `keras.Sequential` (for a Sequential model) or Functional
-        `keras.Model`.
+        A new `keras.Sequential` / Functional `keras.Model` for a plain one,
+        else `model` itself.
     """
     if isinstance(exclude, (str, type)):
         exclude = (exclude,)
@@ -489,7 +551,48 @@ def scalify(model, dtype=None, exclude=()):
     def make_step(names, called):
         return _ScalifyStep(names, called, dtype, exclude)
 
-    return _rebuild(model, make_step, "scalify")
+    if _is_graph_model(model):
+        return _rebuild(model, make_step, "scalify")
+    _check_model(model, "scalify")
+    make_step(None, None).inside(model)
+    return _finish(model, model)
+
+
+def _parent_path(layer):
+    return layer.path.rpartition("/")[0]
+
+
+def _plain_dtype_of(layer):
+    """The dtype a plain-I/O scaled layer returns in place of `layer`: its
+    compute dtype, float32 for a scaled policy (the plain code around it
+    then computes in float32, see `_plain_policy_to_float32`)."""
+    from keras_scalify.policies import ScaledDTypePolicy
+
+    if isinstance(layer.dtype_policy, ScaledDTypePolicy):
+        return "float32"
+    return layer.compute_dtype
+
+
+def _plain_policy_to_float32(layer):
+    """A plain (unconverted) layer under a scaled policy computes in
+    float32: where no scale rule exists, values are decoded to float32.
+    The policy is kept for `unscalify`."""
+    from keras_scalify.layers.base import ScaledLayer
+    from keras_scalify.policies import ScaledDTypePolicy
+
+    if isinstance(layer, ScaledLayer):
+        return
+    policy = layer.dtype_policy
+    if isinstance(policy, ScaledDTypePolicy):
+        layer._keras_scalify_policy = policy
+        layer.dtype_policy = "float32"
+
+
+def _restore_policy(layer):
+    policy = getattr(layer, "_keras_scalify_policy", None)
+    if policy is not None:
+        layer.dtype_policy = policy
+        del layer._keras_scalify_policy
 
 
 # --- unscalify ---------------------------------------------------------------
@@ -501,10 +604,22 @@ class _UnscalifyStep:
     def __init__(self, names, called):
         self.called = called
         self.layers = {}
-        self.clones = set()
 
     def to_plain_for(self, layer):
         return None
+
+    def choose(self, layer):
+        """In-place: a plain-I/O scaled layer back to Keras (`to_keras`)."""
+        from keras_scalify.layers.base import ScaledLayer
+
+        if isinstance(layer, ScaledLayer):
+            return layer.to_keras() if layer.plain_io else False
+        return None
+
+    def inside(self, root):
+        convert_in_place(root, self.choose)
+        for layer in all_layers(root):
+            _restore_policy(layer)
 
     def new_layer(self, layer):
         from keras_scalify.layers.base import ScaledLayer
@@ -522,8 +637,8 @@ class _UnscalifyStep:
                 )
             new = layer.to_keras()
         else:
-            new = _clone_plain(layer)
-            self.clones.add(id(new))
+            new = layer
+            self.inside(layer)
         self.layers[id(layer)] = new
         return new
 
@@ -536,7 +651,10 @@ class _UnscalifyStep:
         if isinstance(layer, (AsScaled, ToArray, DynamicRescaleGrad)):
             # Identity on represented values.
             return args[0] if args else next(iter(kwargs.values()))
-        if isinstance(layer, ScaledEmbedding) and kwargs.get("reverse"):
+        if (
+            type(layer) is ScaledEmbedding
+            and kwargs.get("reverse")
+        ):
             raise ValueError(
                 f"Layer {layer.name!r} is used with `reverse=True` (tied "
                 f"output projection), which keras.layers.Embedding lacks; "
@@ -545,10 +663,7 @@ class _UnscalifyStep:
         new = self.new_layer(layer)
         if self.called is not None:
             self.called.append(new)
-        out = new(*args, **kwargs)
-        if id(new) in self.clones:
-            _copy_weights_after_call(layer, new)
-        return out
+        return new(*args, **kwargs)
 
     def finish(self, outputs):
         return outputs
@@ -560,18 +675,26 @@ def unscalify(model):
     Every scaled layer becomes its Keras counterpart (`to_keras`) with the
     represented float32 weights and a plain dtype policy (a scaled policy
     becomes float32); `AsScaled`, `ToArray` and `DynamicRescaleGrad`
-    (identity on values) are removed; other layers are cloned with their
-    weights. The result contains no keras_scalify layer, so it can be saved
-    and loaded, exported or served without keras_scalify.
+    (identity on values) are removed from a rebuilt Sequential/Functional
+    graph. Inside custom layers and other models the plain-I/O scaled
+    layers `scalify` put there are replaced back in place, and the dtype
+    policies it changed are restored. The result contains no keras_scalify
+    layer, so it can be saved and loaded, exported or served without
+    keras_scalify.
 
     Args:
-        model: a built Sequential or Functional `keras.Model`.
+        model: a built `keras.Model`.
 
     Returns:
-        A new `keras.Sequential` or Functional `keras.Model`.
+        A new `keras.Sequential` / Functional `keras.Model` for a plain one,
+        else `model` itself.
     """
 
     def make_step(names, called):
         return _UnscalifyStep(names, called)
 
-    return _rebuild(model, make_step, "unscalify")
+    if _is_graph_model(model):
+        return _rebuild(model, make_step, "unscalify")
+    _check_model(model, "unscalify")
+    make_step(None, None).inside(model)
+    return model

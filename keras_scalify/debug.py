@@ -8,6 +8,8 @@
   ScaledTensor arguments, returned as ScaledTensors
   `(cotangent_of_data, scale=grad_scale)`: `to_array` gives the true
   gradient, and `stats` shows how well it is scaled.
+- `gemm_coverage(model, inputs)`: the share of a model's kernel GEMM FLOPs
+  that run in scaled layers (and on an FP8 route), per layer.
 """
 
 import numpy as np
@@ -90,3 +92,100 @@ def scaled_value_and_grad(fn):
         return value, out
 
     return vg
+
+
+# --- GEMM coverage -------------------------------------------------------
+
+
+def _einsum_flops(equation, x_shape, kernel_shape):
+    """2 × the product of every index size of `x, kernel -> out`."""
+    lhs = equation.split("->")[0].replace(" ", "")
+    a, b = lhs.split(",")
+    sizes = {}
+    for letters, shape in ((a, x_shape), (b, kernel_shape)):
+        letters = letters.replace("...", "")
+        dims = list(shape)[-len(letters):] if letters else []
+        for letter, d in zip(letters, dims):
+            sizes[letter] = int(d)
+    extra = 1
+    if "..." in a:  # broadcast batch dims of the input
+        for d in list(x_shape)[: len(x_shape) - len(a.replace("...", ""))]:
+            extra *= int(d)
+    return 2 * int(np.prod(list(sizes.values()))) * extra
+
+
+def _layer_flops(layer, args, kwargs, output):
+    """FLOPs of the kernel GEMM of one call of `layer`, or None."""
+    import keras
+
+    from keras_scalify import layers as sl
+
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    shape = lambda t: tuple(int(d) for d in t.shape)  # noqa: E731
+    if isinstance(layer, (keras.layers.EinsumDense, sl.ScaledEinsumDense)):
+        kernel = layer.kernel
+        return _einsum_flops(layer.equation, shape(x), kernel.shape)
+    if isinstance(layer, (keras.layers.Dense, sl.ScaledDense)):
+        return 2 * int(np.prod(shape(x))) * int(layer.units)
+    if isinstance(
+        layer, (keras.layers.ReversibleEmbedding, sl.ScaledEmbedding)
+    ):
+        if kwargs.get("reverse") or (len(args) > 1 and args[1]):
+            return 2 * int(np.prod(shape(x))) * int(layer.input_dim)
+        return None
+    if isinstance(layer, keras.layers.Conv1D) or isinstance(
+        layer, keras.layers.Conv2D
+    ):
+        out = shape(output)
+        kernel = shape(layer.kernel)
+        return 2 * int(np.prod(out)) * int(np.prod(kernel[:-1]))
+    return None
+
+
+def gemm_coverage(model, inputs):
+    """Where the GEMM FLOPs of one forward call of `model` on `inputs` run.
+
+    Counts the kernel GEMMs of Dense, EinsumDense, Conv1D/Conv2D and tied
+    output projections (`ReversibleEmbedding(..., reverse=True)`), plain or
+    scaled, found anywhere inside `model`; attention's score and value
+    products (no weights) are not counted. Returns a dict: `"scaled"` and
+    `"total"` FLOPs, `"fraction"` (scaled / total), `"fp8"` (FLOPs of
+    scaled GEMMs that took an FP8 route) and `"layers"`: `[(path, class
+    name, flops, scaled, fp8_route)]` in call order.
+    """
+    from keras_scalify.layers.base import ScaledLayer
+
+    rows = []
+    patched = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        original = layer.call
+
+        def call(*args, _layer=layer, _call=original, **kwargs):
+            out = _call(*args, **kwargs)
+            flops = _layer_flops(_layer, args, kwargs, out)
+            if flops is not None:
+                rows.append((_layer, flops))
+            return out
+
+        object.__setattr__(layer, "call", call)
+        patched.append(layer)
+    try:
+        model(inputs)
+    finally:
+        for layer in patched:
+            object.__delattr__(layer, "call")
+    table, scaled, fp8, total = [], 0, 0, 0
+    for layer, flops in rows:
+        is_scaled = isinstance(layer, ScaledLayer)
+        route = layer.fp8_route if is_scaled else None
+        total += flops
+        scaled += flops if is_scaled else 0
+        fp8 += flops if route is not None else 0
+        table.append((layer.path, type(layer).__name__, flops, is_scaled, route))
+    return {
+        "scaled": scaled,
+        "total": total,
+        "fraction": scaled / total if total else 0.0,
+        "fp8": fp8,
+        "layers": table,
+    }

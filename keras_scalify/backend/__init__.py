@@ -4,6 +4,8 @@
   checks on values (finite, power of two) can run; traced tensors skip them.
 - `jit(fn)`: `jax.jit` / `tf.function` / eager torch (`torch_compile(fn)`
   for `torch.compile`).
+- `refresh_layer_params(layer)`: drop torch's cached parameter list of a
+  layer whose sublayers were replaced in place.
 - `value_and_grad(fn)`: `fn(*args) -> scalar` to `(value, grads)` with
   respect to every positional argument, on the current backend.
 """
@@ -12,10 +14,18 @@ import keras
 
 from keras_scalify.backend.dispatch import is_concrete
 from keras_scalify.backend.dispatch import jit
+from keras_scalify.backend.dispatch import refresh_layer_params
 from keras_scalify.backend.dispatch import torch_compile
 from keras_scalify.backend.dispatch import value_and_grad
 
-__all__ = ["is_concrete", "jit", "name", "torch_compile", "value_and_grad"]
+__all__ = [
+    "is_concrete",
+    "jit",
+    "name",
+    "refresh_layer_params",
+    "torch_compile",
+    "value_and_grad",
+]
 
 
 def name():

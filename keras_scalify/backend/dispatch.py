@@ -97,3 +97,18 @@ def torch_compile(fn):
 
         return torch.compile(fn)
     return jit(fn)
+
+
+def refresh_layer_params(layer):
+    """Forget a layer's backend-side copy of its variable list after its
+    sublayers were replaced in place. Torch: a Keras layer is a
+    `torch.nn.Module` whose `torch_params` (a ParameterDict of every
+    variable, sublayers' included) is built once; dropping it makes Keras
+    rebuild it from the current variables on next use. Other backends keep
+    no such copy."""
+    if keras.backend.backend() != "torch":
+        return
+    modules = getattr(layer, "_modules", None)
+    if modules is not None and "_torch_params" in modules:
+        del modules["_torch_params"]
+    layer.__dict__.pop("_torch_params", None)

@@ -8,6 +8,7 @@ from keras_scalify.layers.boundary import ToArray
 from keras_scalify.layers.dense import ScaledDense
 from keras_scalify.layers.einsum_dense import ScaledEinsumDense
 from keras_scalify.layers.embedding import ScaledEmbedding
+from keras_scalify.layers.embedding import ScaledReversibleEmbedding
 from keras_scalify.layers.merging import ScaledAdd
 from keras_scalify.layers.merging import ScaledDropout
 from keras_scalify.layers.normalization import ScaledLayerNormalization

@@ -11,10 +11,16 @@ def _gelu(x):
     return sops.gelu(x, approximate=False)
 
 
+def _gelu_approximate(x):
+    """keras-hub's `gelu_approximate`: the tanh form."""
+    return sops.gelu(x, approximate=True)
+
+
 ACTIVATIONS = {
     "linear": None,
     "relu": sops.relu,
     "gelu": _gelu,
+    "gelu_approximate": _gelu_approximate,
     "silu": sops.silu,
     "swish": sops.silu,
     "tanh": sops.tanh,
@@ -51,10 +57,23 @@ def _is_builtin(fn, name):
     that happens to be called "relu" is not converted silently)."""
     if fn is ACTIVATIONS[name] or fn is _gelu:
         return True
+    if name == "gelu_approximate":
+        return getattr(fn, "__module__", "").startswith("keras_hub.")
     try:
         return keras.activations.get(name) is fn
     except Exception:
         return False
+
+
+def keras_activation(identifier):
+    """The Keras activation for a name of `activation_name`: keras-hub's
+    function for "gelu_approximate" (Keras has no such name), else the
+    identifier itself."""
+    if identifier == "gelu_approximate":
+        from keras_hub.src.utils.keras_utils import gelu_approximate
+
+        return gelu_approximate
+    return identifier
 
 
 def activation_name(identifier):

@@ -33,8 +33,46 @@ class ScaledLayer(keras.layers.Layer):
         self._convert_input_args = False
         self._allow_non_tensor_positional_args = True
         self._scaled_weights = []
+        self._plain_io_dtype = None
+
+    @property
+    def plain_io(self):
+        """Whether the layer takes and returns plain tensors (see
+        `enable_plain_io`)."""
+        return self._plain_io_dtype is not None
+
+    def enable_plain_io(self, dtype="float32"):
+        """Make this built layer take plain tensors and return plain tensors
+        of `dtype`, for use inside plain Keras code (what `scalify` does to
+        the sublayers of custom layers; `keras_scalify.layers.plain_io`).
+        Adds the `plain_io_grad_scale_state` weight of the output's delayed
+        gradient rescale. Not saved in `get_config`: the layer that holds
+        this one decides it."""
+        if not self.built:
+            raise ValueError(
+                f"Layer {self.name!r} must be built before `enable_plain_io`."
+            )
+        if self.plain_io:
+            return
+        self._tracker.unlock()
+        try:
+            self.plain_io_grad_scale_state = add_grad_scale_state(
+                self, "plain_io_grad_scale_state"
+            )
+        finally:
+            self._tracker.lock()
+        self._plain_io_dtype = keras.backend.standardize_dtype(dtype)
 
     def __call__(self, *args, **kwargs):
+        if self._plain_io_dtype is not None and not contains_scaled(
+            (args, kwargs)
+        ):
+            from keras_scalify.layers.plain_io import plain_io_call
+
+            return plain_io_call(self, self._scaled_call, args, kwargs)
+        return self._scaled_call(*args, **kwargs)
+
+    def _scaled_call(self, *args, **kwargs):
         # Input autocasting is off (see above), so NumPy inputs are turned
         # into tensors here: Keras builds layers from tensor shapes only.
         if args and isinstance(args[0], np.ndarray):
@@ -84,9 +122,10 @@ class ScaledLayer(keras.layers.Layer):
             for sv in getattr(layer, "_scaled_weights", []):
                 for v in sv.variables:
                     owner[id(v)] = sv
-            state = getattr(layer, "grad_scale_state", None)
-            if state is not None:
-                skip.add(id(state))
+            for attr in ("grad_scale_state", "plain_io_grad_scale_state"):
+                state = getattr(layer, attr, None)
+                if state is not None:
+                    skip.add(id(state))
         seen, out = set(), []
         for v in self.weights:
             if id(v) in skip:
@@ -119,6 +158,18 @@ class ScaledLayer(keras.layers.Layer):
         its data shape is kept."""
         config = super().get_build_config()
         return None if config is None else plain_shapes(config)
+
+
+def contains_scaled(x):
+    from keras_scalify.core.scaled_tensor import is_scaled
+
+    if is_scaled(x):
+        return True
+    if isinstance(x, dict):
+        return any(contains_scaled(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(contains_scaled(v) for v in x)
+    return False
 
 
 def _repack_scaled(x):
@@ -309,12 +360,12 @@ class KernelBiasMixin:
         return None if self._bias is None else self._bias.value
 
 
-def add_grad_scale_state(layer):
+def add_grad_scale_state(layer, name="grad_scale_state"):
     """The float32 state of a delayed gradient rescale: trainable with
     `overwrite_with_gradient`, the only route out of the backward pass that
     survives JAX's stateless `fit` (docs/design.md §3)."""
     return layer.add_weight(
-        name="grad_scale_state",
+        name=name,
         shape=(),
         initializer="zeros",
         dtype="float32",

@@ -7,6 +7,7 @@ from keras import ops
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import contains_scaled
 from keras_scalify.layers.base import scaled_spec
 from keras_scalify.ops.boundary import as_scaled
 from keras_scalify.ops.boundary import to_array
@@ -94,16 +95,6 @@ class ToArray(ScaledLayer):
 _GUARD_SKIP = ("Lambda", "InputLayer")
 
 
-def _contains_scaled(x):
-    if is_scaled(x):
-        return True
-    if isinstance(x, dict):
-        return any(_contains_scaled(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_contains_scaled(v) for v in x)
-    return False
-
-
 def plain_layer_error(layer):
     """The TypeError raised when plain Keras `layer` receives a ScaledTensor."""
     return TypeError(
@@ -135,7 +126,7 @@ def install_plain_layer_guard():
         return
 
     def _assert_input_compatibility(self, arg_0):
-        if _contains_scaled(arg_0) and _is_guarded(self):
+        if contains_scaled(arg_0) and _is_guarded(self):
             raise plain_layer_error(self)
         return original(self, arg_0)
 
@@ -145,3 +136,66 @@ def install_plain_layer_guard():
 
 
 install_plain_layer_guard()
+
+
+# --- models return plain tensors --------------------------------------------
+#
+# Keras's losses, metrics and `predict` know nothing of ScaledTensors: a
+# model whose last layer is a scaled layer would hand a named tuple of three
+# tensors to `compile`'s loss ("The path: (0,) in the `loss` argument can't
+# be found") and to `predict`. Sequential and Functional models are both
+# built by `Functional.__init__(inputs, outputs)` (a Sequential builds one
+# when its input shape is known), so that constructor is wrapped: every
+# symbolic ScaledTensor among `outputs` is passed through a `ToArray` layer
+# first, and the model returns the represented float32 values. Models whose
+# outputs are plain are built exactly as before. `uninstall_plain_outputs()`
+# restores the constructor.
+
+
+def _plain_outputs(outputs):
+    """`outputs` with every symbolic ScaledTensor passed through `ToArray`
+    (lists, tuples and dicts walked)."""
+    if is_scaled(outputs):
+        if isinstance(outputs.data, keras.KerasTensor):
+            return ToArray()(outputs)
+        return outputs
+    if isinstance(outputs, dict):
+        return {k: _plain_outputs(v) for k, v in outputs.items()}
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_plain_outputs(v) for v in outputs)
+    return outputs
+
+
+def _functional_cls():
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def install_plain_outputs():
+    """Wrap `Functional.__init__` (once) so that models built from symbolic
+    ScaledTensor outputs end with `ToArray` (see the note above)."""
+    cls = _functional_cls()
+    original = cls.__init__
+    if getattr(original, "_keras_scalify_outputs", False):
+        return
+
+    def __init__(self, inputs, outputs, *args, **kwargs):
+        if contains_scaled(outputs):
+            outputs = _plain_outputs(outputs)
+        return original(self, inputs, outputs, *args, **kwargs)
+
+    __init__._keras_scalify_outputs = True
+    __init__.__wrapped__ = original
+    cls.__init__ = __init__
+
+
+def uninstall_plain_outputs():
+    """Restore `Functional.__init__` (undo `install_plain_outputs`)."""
+    cls = _functional_cls()
+    wrapper = cls.__init__
+    if getattr(wrapper, "_keras_scalify_outputs", False):
+        cls.__init__ = wrapper.__wrapped__
+
+
+install_plain_outputs()

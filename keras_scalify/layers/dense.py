@@ -8,6 +8,7 @@ from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
+from keras_scalify.layers.activation import keras_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
@@ -188,7 +189,7 @@ def _dense_kwargs(layer):
     """The arguments a Dense and a ScaledDense share, read from `layer`."""
     return dict(
         units=layer.units,
-        activation=layer.activation,
+        activation=keras_activation(layer.activation),
         use_bias=layer.use_bias,
         kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
         bias_initializer=keras.initializers.serialize(layer.bias_initializer),

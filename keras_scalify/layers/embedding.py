@@ -141,3 +141,104 @@ _UNSUPPORTED_EMBEDDING = (
     "embeddings_constraint",
     "lora_rank",
 )
+
+
+@keras.saving.register_keras_serializable(package="keras_scalify")
+class ScaledReversibleEmbedding(ScaledEmbedding):
+    """`keras.layers.ReversibleEmbedding` returning ScaledTensors.
+
+    As `ScaledEmbedding`, plus Keras's options for the output projection:
+    `tie_weights=False` gives it its own `reverse_embeddings` weight
+    (`output_dim × input_dim`); `logit_soft_cap=c` returns
+    `tanh(logits / c) · c` (scale rules of `divide` by a constant and
+    `tanh`: output scale at most 1·c). `reverse_dtype` is kept for
+    `to_keras`; the projection's dtypes are the policy's (FP8 operands under
+    `scaled_fp8`).
+    """
+
+    def __init__(
+        self,
+        input_dim,
+        output_dim,
+        tie_weights=True,
+        embeddings_initializer="uniform",
+        reverse_dtype=None,
+        logit_soft_cap=None,
+        **kwargs,
+    ):
+        super().__init__(
+            input_dim, output_dim, embeddings_initializer, **kwargs
+        )
+        self.tie_weights = bool(tie_weights)
+        self.reverse_dtype = reverse_dtype
+        if logit_soft_cap is not None and not logit_soft_cap > 0:
+            raise ValueError(
+                f"`logit_soft_cap` must be None or > 0, got {logit_soft_cap!r}."
+            )
+        self.logit_soft_cap = logit_soft_cap
+
+    def build(self, input_shape=None):
+        super().build(input_shape)
+        self._reverse_embeddings = None
+        if not self.tie_weights:
+            self._reverse_embeddings = self.add_scaled_weight(
+                "reverse_embeddings",
+                (self.output_dim, self.input_dim),
+                self.embeddings_initializer,
+            )
+
+    @property
+    def reverse_embeddings(self):
+        return self._reverse_embeddings
+
+    def call(self, inputs, reverse=False):
+        if not reverse or self.tie_weights:
+            y = super().call(inputs, reverse=reverse)
+        else:
+            x = scaled_input(self, inputs)
+            y = policy_matmul(self, None, x, self._reverse_embeddings.read())
+        if reverse and self.logit_soft_cap is not None:
+            cap = float(self.logit_soft_cap)
+            y = sops.multiply(sops.tanh(sops.divide(y, cap)), cap)
+        return y
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "tie_weights": self.tie_weights,
+                "reverse_dtype": self.reverse_dtype,
+                "logit_soft_cap": self.logit_soft_cap,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_keras(cls, layer, **overrides):
+        """A ScaledReversibleEmbedding with the config and weights of a
+        `keras.layers.ReversibleEmbedding` (or of a subclass that keeps its
+        `call`, as keras-hub's)."""
+        check_keras_layer(layer, keras.layers.ReversibleEmbedding, cls)
+        overrides = dict(overrides)
+        for name in ("tie_weights", "reverse_dtype", "logit_soft_cap"):
+            overrides.setdefault(name, getattr(layer, name))
+        return super().from_keras(layer, **overrides)
+
+    def to_keras(self, **overrides):
+        """A plain `keras.layers.ReversibleEmbedding` with this config and
+        the represented weights."""
+        kwargs = scaled_base_kwargs(self, {})
+        kwargs.update(
+            input_dim=self.input_dim,
+            output_dim=self.output_dim,
+            tie_weights=self.tie_weights,
+            embeddings_initializer=keras.initializers.serialize(
+                self.embeddings_initializer
+            ),
+            reverse_dtype=self.reverse_dtype,
+            logit_soft_cap=self.logit_soft_cap,
+        )
+        kwargs.update(overrides)
+        return copy_built_weights(
+            self, keras.layers.ReversibleEmbedding(**kwargs)
+        )

@@ -284,7 +284,12 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                     stat = data_statistic(g, "l2")
                     always.append((sv.grad_scale, grad_scale_from_statistic(stat, gs)))
                     finite = ops.logical_and(finite, ops.isfinite(stat * gs))
-                    g = ops.cast(g, "float32") * gs
+                    # `ops.multiply`, not `*`: on TensorFlow an Embedding's
+                    # gradient is a `tf.IndexedSlices` (one row per token,
+                    # repeats included), which `*` densifies (summing the
+                    # repeats); the inner optimizer must get it as in plain
+                    # Keras, whose sparse update differs (Adam squares rows).
+                    g = ops.multiply(ops.cast(g, "float32"), gs)
             elif g is not None:
                 finite = ops.logical_and(finite, ops.all(ops.isfinite(g)))
             inner_grads.append(g)

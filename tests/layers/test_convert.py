@@ -286,23 +286,63 @@ def test_bad_models():
         def call(self, x):
             return self.d(x)
 
-    sub = Sub()
-    sub(np.ones((1, 3), "float32"))
-    with pytest.raises(ValueError, match="subclassed"):
-        ksc.scalify(sub)
+    with pytest.raises(ValueError, match="built"):
+        ksc.scalify(Sub())
     with pytest.raises(TypeError, match="keras.Model"):
         ksc.scalify(keras.layers.Dense(2))
 
 
-def test_scaled_layers_in_a_plain_model_get_weights_copied():
-    """Scaled layers already in the model are cloned with their represented
-    weights (the delayed-rescaling state is bookkeeping)."""
+def test_subclassed_model_converts_in_place():
+    """A subclassed model's sublayers are replaced in place by plain-I/O
+    scaled layers; the model object, its `call` and outputs are kept."""
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(4, activation="relu")
+            self.blocks = [keras.layers.Dense(4), keras.layers.LayerNormalization()]
+
+        def call(self, x):
+            h = self.d(x)
+            for layer in self.blocks:
+                h = layer(h)
+            return ops.tanh(h) + x[..., :4]
+
+    sub = Sub()
+    x = _x((3, 6))
+    expected = _predict(sub, x)
+    n_params = sub.count_params()
+    out = ksc.scalify(sub, dtype="scaled_float32")
+    assert out is sub
+    assert isinstance(sub.d, ScaledDense) and sub.d.plain_io
+    assert [type(layer).__name__ for layer in sub.blocks] == [
+        "ScaledDense", "ScaledLayerNormalization",
+    ]
+    assert not any(
+        type(layer) in (keras.layers.Dense, keras.layers.LayerNormalization)
+        for layer in sub._flatten_layers(recursive=True)
+    )
+    _close(_predict(sub, x), expected)
+    # Represented weights: the same count (scales are bookkeeping).
+    assert sum(
+        int(np.prod(w.shape)) for layer in sub._flatten_layers(include_self=False)
+        for w in (layer.get_weights() if not layer._layers else [])
+    ) == n_params
+    back = ksc.unscalify(sub)
+    assert back is sub and type(sub.d) is keras.layers.Dense
+    _close(_predict(sub, x), expected)
+
+
+def test_unconverted_layers_are_kept_not_cloned():
+    """Layers scalify does not convert (scaled layers already there, plain
+    layers without a counterpart) are the model's own: no config round trip
+    (keras-hub layers whose config does not round-trip convert too)."""
     inp = keras.Input((8,))
     h = ScaledDense(8, name="sd")(inp)
-    out = ToArray()(h)
+    h = ToArray()(h)
+    out = keras.layers.Reshape((2, 4), name="reshape")(h)
     model = keras.Model(inp, out)
-    clone = ksc.scalify(model)
-    assert clone.get_layer("sd") is not model.get_layer("sd")
-    np.testing.assert_array_equal(
-        to_np(clone.get_layer("sd").kernel.value), to_np(model.get_layer("sd").kernel.value)
-    )
+    new = ksc.scalify(model)
+    assert new is not model
+    assert new.get_layer("sd") is model.get_layer("sd")
+    assert new.get_layer("reshape") is model.get_layer("reshape")

@@ -1,0 +1,155 @@
+"""In-place conversion of the layers inside custom layers and models.
+
+keras-hub backbones and tasks, and any custom layer, hold Dense /
+EinsumDense / Embedding / normalization / attention layers as sublayers
+(attributes, lists, their own Functional graph) and run `keras.ops` on
+their outputs. `convert_in_place(root, make_new)` replaces each such
+sublayer, wherever it is referenced, by `make_new(old)`:
+
+- attributes of every layer in the tree (on torch, Keras layers are torch
+  modules and keep sublayers in `_modules`), lists, tuples and dicts held
+  in them, and Keras's tracker (`_layers`, what `_flatten_layers`,
+  `weights` and saving walk);
+- the nodes of every Functional graph that calls the layer
+  (`node.operation`, the graph's `_operations`, the history of the
+  symbolic tensors it produced), so a Backbone's graph calls the new
+  layer, a model built later on its outputs finds it, and the new layer
+  inherits the old one's nodes.
+
+A layer used in several places (a tied embedding called by a backbone and
+by its task's output projection) is converted once and stays shared. No
+layer is rebuilt from its config: the classes, attributes and methods of
+the containing layers (`generate()`, preprocessors, presets' `get_config`)
+are kept.
+"""
+
+import warnings
+
+import keras
+
+from keras_scalify.backend import refresh_layer_params
+
+# How deep `_swap` looks into containers held by a layer's attributes.
+_MAX_DEPTH = 4
+
+
+def walk_sublayers(root, visit):
+    """Calls `visit(parent, child)` for every direct sublayer of every layer
+    reached from `root`; `visit` returns True to descend into `child`."""
+    seen = {id(root)}
+    stack = [root]
+    while stack:
+        parent = stack.pop()
+        for child in parent._flatten_layers(include_self=False, recursive=False):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if visit(parent, child):
+                stack.append(child)
+
+
+def all_layers(root):
+    """`root` and every layer reachable from it, once each."""
+    return list(root._flatten_layers(include_self=True, recursive=True))
+
+
+def convert_in_place(root, choose):
+    """Replaces sublayers of `root` in place.
+
+    `choose(layer)` returns a new layer to put in place of `layer`, None to
+    descend into it (a composite), or False to leave it and its sublayers
+    alone. Returns `{id(old): (old, new)}`.
+    """
+    mapping = {}
+
+    def visit(parent, child):
+        new = choose(child)
+        if new is None:
+            return True
+        if new is not False and new is not child:
+            mapping[id(child)] = (child, new)
+        return False
+
+    walk_sublayers(root, visit)
+    if mapping:
+        replace_layers(root, mapping)
+    return mapping
+
+
+def replace_layers(root, mapping):
+    """Puts `new` wherever `old` is referenced in `root`'s layer tree, for
+    every `(old, new)` of `mapping` (keyed by `id(old)`)."""
+    parents = all_layers(root)
+    for parent in parents:
+        tracker = getattr(parent, "_tracker", None)
+        if tracker is not None and "layers" in tracker.config:
+            for old, new in mapping.values():
+                if tracker.is_in_store("layers", old):
+                    if tracker.is_in_store("layers", new):
+                        tracker.untrack(old)
+                    else:
+                        tracker.replace_tracked_value("layers", old, new)
+        for name, value in list(vars(parent).items()):
+            if name in ("_tracker", "_inbound_nodes", "_outbound_nodes"):
+                continue
+            swapped = _swap(value, mapping, 0)
+            if swapped is not value:
+                object.__setattr__(parent, name, swapped)
+    for old, new in mapping.values():
+        for node in old._inbound_nodes:
+            if node.operation is old:
+                node.operation = new
+            for tensor in node.outputs:
+                history = getattr(tensor, "_keras_history", None)
+                if history is not None and history.operation is old:
+                    tensor._keras_history = history._replace(operation=new)
+        new._inbound_nodes = list(old._inbound_nodes)
+        new._outbound_nodes = list(old._outbound_nodes)
+    for parent in parents:
+        refresh_layer_params(parent)
+
+
+def _swap(value, mapping, depth):
+    """`value` with layers of `mapping` replaced (containers in place)."""
+    if isinstance(value, keras.layers.Layer):
+        item = mapping.get(id(value))
+        return value if item is None else item[1]
+    if depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, (list, dict)):
+        items = enumerate(value) if isinstance(value, list) else value.items()
+        for k, v in list(items):
+            s = _swap(v, mapping, depth + 1)
+            if s is not v:
+                _set_item(value, k, s)
+        return value
+    if isinstance(value, tuple):
+        items = [_swap(v, mapping, depth + 1) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if hasattr(value, "_fields"):
+            return type(value)(*items)
+        return type(value)(items)
+    return value
+
+
+def _set_item(container, key, value):
+    """`container[key] = value` without Keras's tracking (the tracker was
+    updated already, and is locked once a layer is built). TensorFlow's
+    own list/dict wrappers keep their items elsewhere: plain assignment."""
+    if type(container) in (list, dict) or type(container).__module__.startswith(
+        "keras."
+    ):
+        base = list if isinstance(container, list) else dict
+        base.__setitem__(container, key, value)
+    else:
+        container[key] = value
+
+
+def warn_unconverted(layer, error):
+    """A layer `scalify` could not convert stays plain: say so."""
+    warnings.warn(
+        f"scalify: layer {layer.name!r} ({type(layer).__name__}) is kept as "
+        f"a plain Keras layer: {error}",
+        stacklevel=3,
+    )

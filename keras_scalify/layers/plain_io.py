@@ -1,0 +1,123 @@
+"""Scaled layers inside plain Keras code: plain tensors in, plain out.
+
+`scalify` converts the Dense, EinsumDense, Embedding, normalization and
+attention layers that custom layers (keras-hub transformer blocks, Keras's
+own MultiHeadAttention subclasses) hold as sublayers. The surrounding code
+runs `keras.ops` on their outputs, which know nothing of ScaledTensors, so
+such a layer is switched to plain input/output (`ScaledLayer.enable_plain_io`):
+
+- each floating input is encoded exactly (scale 1) then a dynamic
+  rescale by the pow2 of its RMS (`dynamic_rescale_l2`), so the data the
+  layer computes on (and its FP8 GEMM operands) is unit-scaled whatever the
+  magnitude the plain code hands it (0, inf and NaN pass through unscaled);
+- the output's grad scale is re-anchored by a delayed rescale
+  (`delayed_rescale_grad`) whose statistic is kept in the layer's
+  `plain_io_grad_scale_state` weight (the route of `DynamicRescaleGrad`),
+  so the cotangent reaching the layer's backward GEMMs is unit-scaled; the
+  same state is the inputs' grad scale;
+- the output is decoded with `to_array` into `dtype` (float32: the plain
+  code around it runs in float32).
+
+Values are exact under `scaled_float32` (every factor is a power of two):
+a converted custom layer computes what the original did.
+"""
+
+import keras
+from keras import ops
+from keras import tree
+
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops.boundary import to_array
+from keras_scalify.ops.rescaling import delayed_rescale_grad
+from keras_scalify.ops.rescaling import dynamic_rescale_l2
+
+# Keyword arguments that carry activations (attention's query/value/key).
+_TENSOR_KWARGS = ("inputs", "query", "value", "key")
+
+
+def _is_float_tensor(x):
+    if x is None or is_scaled(x) or not hasattr(x, "dtype"):
+        return False
+    return "float" in keras.backend.standardize_dtype(x.dtype)
+
+
+def _symbolic(args, kwargs):
+    return any(
+        isinstance(x, keras.KerasTensor) for x in tree.flatten((args, kwargs))
+    )
+
+
+def _encode(x, grad_scale):
+    """A plain float tensor as a unit-scaled ScaledTensor (exact); the
+    cotangent of `x` comes back in true units."""
+    x = ops.convert_to_tensor(x)
+    one = ops.ones((), "float32")
+    return dynamic_rescale_l2(
+        ScaledTensor(scale_grad(x, grad_scale), one, grad_scale)
+    )
+
+
+def _decode_outputs(outputs, state, dtype, anchor):
+    """With `anchor`, the first ScaledTensor of `outputs` re-anchored by
+    `state`; then every ScaledTensor decoded into `dtype`."""
+    anchored = [] if anchor else [False]
+
+    def decode(x):
+        if not is_scaled(x):
+            return x
+        if not anchored:
+            anchored.append(True)
+            x = delayed_rescale_grad(x, state)
+        return to_array(x, dtype)
+
+    return _map_scaled(decode, outputs)
+
+
+def _spec_outputs(outputs, dtype):
+    return _map_scaled(
+        lambda x: keras.KerasTensor(x.data.shape, dtype=dtype)
+        if is_scaled(x)
+        else x,
+        outputs,
+    )
+
+
+def _map_scaled(fn, x):
+    if is_scaled(x):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_scaled(fn, v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_scaled(fn, v) for v in x)
+    return fn(x)
+
+
+def plain_io_call(layer, call, args, kwargs):
+    """`call(*args, **kwargs)` (the layer's Keras `__call__`) with plain
+    floating inputs encoded and ScaledTensor outputs decoded (see above)."""
+    dtype = layer._plain_io_dtype
+    if _symbolic(args, kwargs):
+        return _spec_outputs(call(*args, **kwargs), dtype)
+    from keras_scalify.layers.variable import read_tensor
+
+    state = read_tensor(layer.plain_io_grad_scale_state)
+    stop = ops.stop_gradient(state)
+    g_in = ops.where(ops.greater(stop, 0.0), stop, ops.ones_like(stop))
+    encoded = []
+
+    def encode(x):
+        encoded.append(True)
+        return _encode(x, g_in)
+
+    args = tuple(encode(a) if _is_float_tensor(a) else a for a in args)
+    kwargs = {
+        k: encode(v) if k in _TENSOR_KWARGS and _is_float_tensor(v) else v
+        for k, v in kwargs.items()
+    }
+    # Only a call with floating inputs feeds its output cotangent to GEMMs
+    # (an embedding lookup sums it into the table in float32): one anchor,
+    # so a tied embedding (lookup + reverse) updates its state once.
+    outputs = call(*args, **kwargs)
+    return _decode_outputs(outputs, state, dtype, anchor=bool(encoded))
