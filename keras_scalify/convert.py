@@ -23,6 +23,8 @@ of tensors, so a ScaledTensor (a named tuple) returned for a single plain
 output would be cut to its `data` by `clone_model`'s bookkeeping.
 """
 
+import contextlib
+
 import keras
 from keras import tree
 
@@ -426,15 +428,17 @@ class _ScalifyStep:
             # Weightless layers gain nothing from scaling between plain
             # code; an unbuilt layer was never called.
             return False
-        try:
-            # Same path as `layer` (its variables' paths too): paths name
-            # weights in optimizers, layout maps and summaries.
-            with keras.name_scope(_parent_path(layer)):
+        # Same path as `layer` (its variables' paths too): paths name weights
+        # in optimizers, layout maps and summaries.
+        with contextlib.ExitStack() as scopes:
+            for part in layer.path.split("/")[:-1]:
+                scopes.enter_context(keras.name_scope(part))
+            try:
                 new = self._convert(layer, keras_name)
-        except ValueError as e:
-            warn_unconverted(layer, e)
-            return None
-        new.enable_plain_io(_plain_dtype_of(layer))
+            except ValueError as e:
+                warn_unconverted(layer, e)
+                return None
+        new.enable_plain_io(_plain_dtype_of(layer), type(layer).__name__)
         return new
 
     def inside(self, root):
@@ -556,10 +560,6 @@ def scalify(model, dtype=None, exclude=()):
     _check_model(model, "scalify")
     make_step(None, None).inside(model)
     return _finish(model, model)
-
-
-def _parent_path(layer):
-    return layer.path.rpartition("/")[0]
 
 
 def _plain_dtype_of(layer):

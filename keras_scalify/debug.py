@@ -181,7 +181,8 @@ def gemm_coverage(model, inputs):
         total += flops
         scaled += flops if is_scaled else 0
         fp8 += flops if route is not None else 0
-        table.append((layer.path, type(layer).__name__, flops, is_scaled, route))
+        name = getattr(type(layer), "_scaled_class_name", type(layer).__name__)
+        table.append((layer.path, name, flops, is_scaled, route))
     return {
         "scaled": scaled,
         "total": total,

@@ -41,13 +41,19 @@ class ScaledLayer(keras.layers.Layer):
         `enable_plain_io`)."""
         return self._plain_io_dtype is not None
 
-    def enable_plain_io(self, dtype="float32"):
+    def enable_plain_io(self, dtype="float32", keras_name=None):
         """Make this built layer take plain tensors and return plain tensors
         of `dtype`, for use inside plain Keras code (what `scalify` does to
         the sublayers of custom layers; `keras_scalify.layers.plain_io`).
         Adds the `plain_io_grad_scale_state` weight of the output's delayed
         gradient rescale. Not saved in `get_config`: the layer that holds
-        this one decides it."""
+        this one decides it.
+
+        `keras_name`: the class name of the Keras layer this one replaces.
+        The layer then takes a subclass of that name, so that Keras's
+        saving, which names the layers of a Functional graph after their
+        class, stores its (Keras-layout) weights where the plain model
+        looks for them."""
         if not self.built:
             raise ValueError(
                 f"Layer {self.name!r} must be built before `enable_plain_io`."
@@ -62,6 +68,70 @@ class ScaledLayer(keras.layers.Layer):
         finally:
             self._tracker.lock()
         self._plain_io_dtype = keras.backend.standardize_dtype(dtype)
+        for layer in self._flatten_layers(include_self=True, recursive=True):
+            if isinstance(layer, ScaledLayer):
+                layer._keras_format_weights = True
+        if keras_name is not None:
+            object.__setattr__(
+                self, "__class__", _keras_named(type(self), keras_name)
+            )
+
+    def __repr__(self):
+        if not self.plain_io:
+            return super().__repr__()
+        cls = getattr(type(self), "_scaled_class_name", type(self).__name__)
+        return f"<{cls} name={self.name}, built={self.built}, plain_io=True>"
+
+    # --- saving -----------------------------------------------------------
+    #
+    # A plain-I/O layer (and the scaled layers inside it) lives inside a
+    # custom layer or model whose config rebuilds the *plain* Keras layer
+    # when a `.keras` file is loaded. Its variables are therefore saved as
+    # that Keras layer's: the represented float32 weights, in the Keras
+    # counterpart's order, without scales and delayed-rescaling states. The
+    # file loads without keras_scalify into the original architecture (with
+    # the same predictions); `scalify` then splits the weights again
+    # exactly. Scaled layers of a rebuilt graph save all their variables.
+
+    def _own_weight_groups(self):
+        """This layer's own weights, a ScaledVariable for its parts, in
+        creation order; delayed-rescaling states left out."""
+        owner = {}
+        for sv in self._scaled_weights:
+            for v in sv.variables:
+                owner[id(v)] = sv
+        skip = {
+            id(getattr(self, attr))
+            for attr in ("grad_scale_state", "plain_io_grad_scale_state")
+            if getattr(self, attr, None) is not None
+        }
+        seen, out = set(), []
+        for v in self._trainable_variables + self._non_trainable_variables:
+            if id(v) in skip:
+                continue
+            item = owner.get(id(v), v)
+            if id(item) not in seen:
+                seen.add(id(item))
+                out.append(item)
+        return out
+
+    def save_own_variables(self, store):
+        if not getattr(self, "_keras_format_weights", False):
+            return super().save_own_variables(store)
+        for i, item in enumerate(self._own_weight_groups()):
+            store[str(i)] = np.asarray(keras.ops.convert_to_numpy(item.value))
+
+    def load_own_variables(self, store):
+        if not getattr(self, "_keras_format_weights", False):
+            return super().load_own_variables(store)
+        groups = self._own_weight_groups()
+        if len(store.keys()) != len(groups):
+            raise ValueError(
+                f"Layer {self.name!r} expected {len(groups)} weights in the "
+                f"Keras layout, got {len(store.keys())}."
+            )
+        for i, item in enumerate(groups):
+            item.assign(store[str(i)])
 
     def __call__(self, *args, **kwargs):
         if self._plain_io_dtype is not None and not contains_scaled(
@@ -158,6 +228,25 @@ class ScaledLayer(keras.layers.Layer):
         its data shape is kept."""
         config = super().get_build_config()
         return None if config is None else plain_shapes(config)
+
+
+_KERAS_NAMED = {}
+
+
+def _keras_named(cls, keras_name):
+    """A subclass of scaled class `cls` named `keras_name` (cached)."""
+    key = (cls, keras_name)
+    if key not in _KERAS_NAMED:
+        _KERAS_NAMED[key] = type(
+            keras_name,
+            (cls,),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": f"{cls.__qualname__}.{keras_name}",
+                "_scaled_class_name": cls.__name__,
+            },
+        )
+    return _KERAS_NAMED[key]
 
 
 def contains_scaled(x):
