@@ -138,3 +138,50 @@ def test_keras_file_loads_on_another_backend(rng, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # float16 compute on two backends: equal to float16 rounding.
     np.testing.assert_allclose(np.load(paths[2]), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "loss,metrics,targets",
+    [
+        ("mse", [], "regression"),
+        ("sparse_categorical_crossentropy", ["accuracy"], "classes"),
+    ],
+)
+def test_design_card_model_fits_without_boundary_layers(rng, loss, metrics, targets):
+    """The README's model: a global scaled policy, scaled layers in a
+    Sequential, no AsScaled/ToArray: the model returns plain arrays (it ends
+    with a ToArray of its own), so Keras losses, metrics and `predict`
+    work."""
+    import keras_scalify as ksc
+
+    keras.mixed_precision.set_dtype_policy("scaled_fp8")
+    try:
+        activation = "softmax" if targets == "classes" else None
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                ksc.layers.ScaledDense(16, activation="relu"),
+                ksc.layers.ScaledLayerNormalization(),
+                ksc.layers.ScaledDense(4, activation=activation),
+            ]
+        )
+        model.compile(
+            optimizer=ksc.ScaledOptimizer(keras.optimizers.AdamW(1e-3)),
+            loss=loss,
+            metrics=metrics,
+        )
+        x = _inputs(rng, (64, 8))
+        if targets == "classes":
+            y = rng.integers(0, 4, 64)
+        else:
+            y = rng.standard_normal((64, 4)).astype("float32")
+        history = model.fit(x, y, epochs=2, batch_size=16, verbose=0)
+        assert np.all(np.isfinite(history.history["loss"]))
+        results = model.evaluate(x, y, verbose=0, return_dict=True)
+        assert set(results) == {"loss", *metrics}
+        predictions = model.predict(x, verbose=0)
+        assert isinstance(predictions, np.ndarray)
+        assert predictions.shape == (64, 4)
+        assert type(model.layers[-1]).__name__ == "ScaledDense"
+    finally:
+        keras.config.set_dtype_policy("float32")
