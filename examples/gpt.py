@@ -3,6 +3,7 @@
     KERAS_BACKEND=jax python examples/gpt.py            # all rows, ~30 min on 2 CPU cores
     KERAS_BACKEND=jax python examples/gpt.py --quick    # one-minute smoke run
     python examples/gpt.py --text my.txt --steps 2000 --rows 0 3 keras_float8
+    KERAS_BACKEND=jax python examples/gpt.py --arch llama   # a keras-hub Llama
 
 A pre-LayerNorm GPT (token + position embeddings; per block LayerNorm →
 causal multi-head attention → residual add, LayerNorm → Dense(4d, gelu) →
@@ -22,6 +23,13 @@ Rows (same seed, data order and initial weights within a backend):
 | #2 + FP16 master | f16 | scaled f16 | f32 |
 | #3 FP8 (`scaled_fp8`) | e4m3 fwd / e5m2 bwd | scaled f16 | f32 |
 | #4 + FP16 optimizer state | e4m3 / e5m2 | scaled f16 | scaled f16 |
+
+With `--arch llama` the model is instead a keras-hub `LlamaCausalLM`
+(RMSNorm, rotary embeddings, grouped-query attention, SwiGLU feed-forward,
+untied output projection) with the same width, depth and heads, built
+from plain keras-hub layers and, for the scaled rows, converted with
+`ksc.scalify` (in place: every Dense/EinsumDense/embedding inside the
+transformer blocks becomes a scaled layer).
 
 plus peers built from plain Keras layers with the same architecture:
 `keras_fp32`, `keras_float8` (`model.quantize("float8")`, Keras's delayed
@@ -151,6 +159,43 @@ class GPT(keras.Model):
         return ops.matmul(h, ops.transpose(ops.cast(self.tok.embeddings, h.dtype)))
 
 
+class HubLM(keras.Model):
+    """A keras-hub causal LM on token arrays (all positions attended)."""
+
+    def __init__(self, arch, vocab=256, seq_len=64, d=128, heads=4, depth=2, **kwargs):
+        super().__init__(**kwargs)
+        import keras_hub
+
+        if arch != "llama":
+            raise ValueError(f"`--arch` must be 'gpt' or 'llama', got {arch!r}.")
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=vocab,
+            num_layers=depth,
+            num_query_heads=heads,
+            num_key_value_heads=heads,
+            hidden_dim=d,
+            intermediate_dim=4 * d,
+            dropout=0,
+        )
+        self.lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+    def call(self, tokens):
+        return self.lm({"token_ids": tokens, "padding_mask": ops.ones_like(tokens)})
+
+
+def build_model(args, family):
+    """The row's model, built under the policy in force."""
+    if args.arch == "gpt":
+        model = GPT(family, seq_len=args.seq_len, d=args.width, heads=args.heads, depth=args.depth)
+        model(np.zeros((1, args.seq_len), "int32"))
+        return model
+    model = HubLM(args.arch, seq_len=args.seq_len, d=args.width, heads=args.heads, depth=args.depth)
+    model(np.zeros((1, args.seq_len), "int32"))
+    if family == "scaled":
+        ksc.scalify(model)  # the layers keep the scaled policy they were built under
+    return model
+
+
 # --- training ------------------------------------------------------------------
 
 
@@ -173,8 +218,7 @@ def train_row(key, args, data_train, val_x, val_y):
     keras.config.set_dtype_policy(policy())
     try:
         keras.utils.set_random_seed(args.seed)
-        model = GPT(family, seq_len=args.seq_len, d=args.width, heads=args.heads, depth=args.depth)
-        model(np.zeros((1, args.seq_len), "int32"))
+        model = build_model(args, family)
         if key == "keras_float8":
             model.quantize("float8")
         model.compile(
@@ -213,7 +257,7 @@ def train_row(key, args, data_train, val_x, val_y):
         keras.config.set_dtype_policy("float32")
 
 
-def plot(results, path):
+def plot(results, path, arch="gpt"):
     try:
         import matplotlib
 
@@ -237,7 +281,7 @@ def plot(results, path):
         for ax in axes:
             ax.set_ylim(lo - 0.1, min(max(finite), lo + 2.5))
     axes[1].legend(fontsize=7)
-    fig.suptitle(f"byte-level GPT, {keras.config.backend()} backend")
+    fig.suptitle(f"byte-level {arch}, {keras.config.backend()} backend")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"loss curves written to {path}")
@@ -246,6 +290,8 @@ def plot(results, path):
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Table 3 rows on a small byte-level GPT.")
     p.add_argument("--text", default=None, help="a text file (default: pydoc_data.topics)")
+    p.add_argument("--arch", default="gpt", choices=["gpt", "llama"],
+                   help="gpt: keras_scalify/Keras layers; llama: a keras-hub LlamaCausalLM, scalified")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32)
@@ -277,7 +323,7 @@ def main(argv=None):
     val_x, val_y = windows(held, vstarts, args.seq_len)
     print(
         f"backend {keras.config.backend()} | {len(train)} train / {len(held)} validation bytes | "
-        f"GPT d={args.width} heads={args.heads} depth={args.depth} seq={args.seq_len} | "
+        f"{args.arch} d={args.width} heads={args.heads} depth={args.depth} seq={args.seq_len} | "
         f"{args.steps} steps of batch {args.batch_size} | seed {args.seed}"
     )
     results = {}
@@ -291,7 +337,7 @@ def main(argv=None):
         skipped = "—" if r["skipped"] is None else str(r["skipped"])
         print(f"| {r['label']} | {r['train']:.4f} | {r['val']:.4f} | {delta} | {skipped} | {r['seconds']:.0f} |")
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, args.arch)
     return results
 
 

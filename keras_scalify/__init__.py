@@ -12,11 +12,15 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.layers.variable import ScaledVariable
 from keras_scalify.optimizers import ScaledOptimizer
 from keras_scalify.core.scaled_tensor import is_scaled
-from keras_scalify.ops.boundary import as_scaled
-from keras_scalify.ops.boundary import to_array
+from keras_scalify.ops import as_scaled
+from keras_scalify.ops import to_array
+from keras_scalify.ops.dispatch import install_ops_dispatch
+from keras_scalify.ops.dispatch import uninstall_ops_dispatch
 from keras_scalify.policies import ScaledDTypePolicy
 from keras_scalify.policies import install_policy_hook
 from keras_scalify.policies import set_dtype_policy
 from keras_scalify.policies import uninstall_policy_hook
+
+install_ops_dispatch()
 
 __version__ = "0.1.0"

@@ -37,7 +37,11 @@ class ScaledTensor(
     `keras.tree`, JAX pytrees, `tf.nest`, torch pytrees and between the
     layers of a Functional model. Arithmetic operators (`+ - * / @`, unary
     `-`, `abs`, `**`) dispatch to `keras_scalify.ops`; tuple concatenation
-    and repetition are therefore not available.
+    and repetition are therefore not available. `x[...]` with anything but
+    an int indexes the data (`x[:, 0]`); an int picks a field. `keras.ops`
+    functions given a ScaledTensor apply the scale rule of the
+    same-named `keras_scalify.ops` function, or decode it
+    (`keras_scalify.ops.dispatch`).
     """
 
     __slots__ = ()
@@ -73,6 +77,17 @@ class ScaledTensor(
     @property
     def ndim(self):
         return len(self.data.shape)
+
+    def __getitem__(self, key):
+        # An int index keeps its tuple meaning (the fields), which pytree
+        # libraries and unpacking rely on; any other index (slices, `...`,
+        # None, tuples of those, index tensors) indexes the data, as
+        # `x[:, 0]` does on a tensor: the scale is unchanged.
+        if isinstance(key, (int, np.integer)):
+            return tuple.__getitem__(self, key)
+        from keras_scalify.ops.dispatch import getitem
+
+        return getitem(self, key)
 
     def to_array(self, dtype=None):
         """The represented tensor `data * scale` (see `to_array`)."""

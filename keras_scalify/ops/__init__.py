@@ -69,3 +69,17 @@ from keras_scalify.ops.rescaling import dynamic_rescale_l2
 from keras_scalify.ops.rescaling import dynamic_rescale_l2_grad
 from keras_scalify.ops.rescaling import dynamic_rescale_max
 from keras_scalify.ops.rescaling import dynamic_rescale_max_grad
+
+# Called on symbolic tensors (`keras.Input`), each function above runs as a
+# Keras Operation node (`keras_scalify.ops.symbolic`), as `keras.ops` do.
+from keras_scalify.ops.symbolic import symbolic_aware as _symbolic_aware  # noqa: E402
+
+for _name, _fn in list(globals().items()):
+    if (
+        not _name.startswith("_")
+        and callable(_fn)
+        and getattr(_fn, "__module__", "").startswith("keras_scalify.ops.")
+        and not isinstance(_fn, type)
+    ):
+        globals()[_name] = _symbolic_aware(_fn)
+del _name, _fn

@@ -125,3 +125,14 @@ def test_fp8_matmul(capsys):
     assert len(lines) == 2 + len(routes)
     auto = fp8.resolve_route("ak,kn->an", (32, 32), (32, 32), "auto")
     assert f"fp8 {auto} (auto)" in labels
+
+
+def test_hub_coverage_table(capsys):
+    pytest.importorskip("keras_hub")
+    rows = _load("hub_coverage").main(["--models", "llama"])
+    out = capsys.readouterr().out
+    table = _table_rows(out)
+    assert any(k.startswith("llama (LlamaBackbone)") for k in table)
+    (row,) = rows
+    assert row["scaled"] == "100.0%" and row["fp8"] == "100.0%"
+    assert row["params"] == "same"

@@ -106,6 +106,8 @@ def test_float32_outputs_and_gradients_equal_the_original(name):
     x = hm.make_inputs(name)
     for a, b in zip(_outputs(plain, x), _outputs(scaled, x)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+    if name in TRAINED:
+        return  # gradients checked by 20 AdamW steps below
     # Gradients: one SGD step of learning rate 1 moves each weight by its
     # gradient.
     lp = _fit(name, plain, 1, keras.optimizers.SGD(1.0))

@@ -282,7 +282,9 @@ def test_embedding_matches_keras(rng):
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_activation_matches_keras(name, rng):
-    k = keras.layers.Activation(name)
+    from keras_scalify.layers.activation import keras_activation
+
+    k = keras.layers.Activation(keras_activation(name))
     s = ScaledActivation.from_keras(k)
     _check_same(s, k, [_randn(rng, (4, 7), 2.0)], rng, (4, 7))
 

@@ -1,0 +1,172 @@
+"""`keras.ops` on ScaledTensors: a scale rule where one exists, else plain.
+
+Keras code — custom layers, keras-hub blocks, `Lambda` layers, Keras's own
+layers — calls `keras.ops` functions, which know nothing of ScaledTensors
+(a named tuple would be packed into one array of three). Importing
+`keras_scalify` wraps the public functions of `keras.ops` (and of the
+`keras.src.ops` namespace Keras's own layers use) so that a call with a
+ScaledTensor among its arguments (directly, or in a list/tuple/dict
+argument):
+
+- goes to the `keras_scalify.ops` function of the same name when there is
+  one and the call's arguments fit its signature (`add`, `multiply`,
+  `matmul`, `einsum`, `softmax`, `where`, `reshape`, `transpose`, `take`,
+  `mean`, `cast`, `gelu`, `silu`, `tanh`, ... — each states its rule), and
+  returns a ScaledTensor;
+- otherwise decodes every ScaledTensor argument with `to_array` (float32
+  values, gradients in true units: grad-scale aware) and calls the original
+  function, so any Keras code is correct and only loses scaling where no
+  rule exists.
+
+A call without ScaledTensor arguments goes straight to the original
+function: unrelated Keras code computes exactly as before (the cost is one
+scan of the positional arguments). `ScaledTensor[...]` with a slice,
+`...`, `None`, a tuple of those or an index tensor indexes the data (scale
+unchanged); an int index keeps its tuple meaning (fields), since pytree
+libraries rely on it. `uninstall_ops_dispatch()` puts every original
+function back.
+"""
+
+import importlib
+import inspect
+import types
+
+from keras_scalify.core.scaled_tensor import ScaledTensor
+
+# The namespaces whose functions are wrapped: the public API modules and
+# the package namespace Keras's own layers call (`from keras.src import ops`).
+_MODULES = (
+    "keras.ops",
+    "keras.ops.numpy",
+    "keras.ops.nn",
+    "keras.ops.math",
+    "keras.ops.linalg",
+    "keras.ops.core",
+    "keras.src.ops",
+)
+
+# Functions that never see a ScaledTensor as data (control flow and
+# structure utilities take user functions and nested structures).
+_SKIP = {
+    "cond",
+    "while_loop",
+    "fori_loop",
+    "scan",
+    "associative_scan",
+    "map",
+    "switch",
+    "vectorized_map",
+    "custom_gradient",
+    "stop_gradient",
+    "is_tensor",
+    "dtype",
+    "convert_to_numpy",
+}
+
+_patched = []  # (module, name, original)
+
+
+def _has_scaled(args, kwargs):
+    for a in args:
+        if type(a) is ScaledTensor:
+            return True
+        if type(a) in (list, tuple) and any(type(v) is ScaledTensor for v in a):
+            return True
+    for v in kwargs.values():
+        if type(v) is ScaledTensor:
+            return True
+    return False
+
+
+def _decode(x):
+    from keras_scalify.ops.boundary import to_array
+
+    if type(x) is ScaledTensor:
+        return to_array(x)
+    if isinstance(x, dict):
+        return {k: _decode(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_decode(v) for v in x)
+    return x
+
+
+def _shape(x):
+    """`keras.ops.shape` of a ScaledTensor: its data's."""
+    from keras import ops
+
+    return ops.shape(x.data)
+
+
+# Rules beyond the same-named `keras_scalify.ops` functions.
+_EXTRA_RULES = {"shape": _shape}
+
+
+def _rule(name):
+    from keras_scalify import ops as sops
+
+    if name in _EXTRA_RULES:
+        return _EXTRA_RULES[name]
+    fn = getattr(sops, name, None)
+    if fn is None or name in ("as_scaled", "to_array"):
+        return None
+    return fn
+
+
+def _make_wrapper(name, original):
+    rule = _rule(name)
+    signature = None if rule is None else inspect.signature(rule)
+
+    def wrapper(*args, **kwargs):
+        if not _has_scaled(args, kwargs):
+            return original(*args, **kwargs)
+        if rule is not None:
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError:
+                pass  # arguments the rule lacks (e.g. `gamma`): plain path
+            else:
+                return rule(*args, **kwargs)
+        return original(*_decode(args), **_decode(kwargs))
+
+    wrapper.__name__ = getattr(original, "__name__", name)
+    wrapper.__qualname__ = getattr(original, "__qualname__", name)
+    wrapper.__doc__ = original.__doc__
+    wrapper.__wrapped__ = original
+    wrapper._keras_scalify_dispatch = True
+    return wrapper
+
+
+def install_ops_dispatch():
+    """Wrap the `keras.ops` functions (once; see the module docstring)."""
+    if _patched:
+        return
+    wrappers = {}
+    for module_name in _MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name, fn in list(vars(module).items()):
+            if name.startswith("_") or name in _SKIP:
+                continue
+            if not isinstance(fn, types.FunctionType):
+                continue
+            if getattr(fn, "_keras_scalify_dispatch", False):
+                continue
+            if id(fn) not in wrappers:
+                wrappers[id(fn)] = _make_wrapper(name, fn)
+            _patched.append((module, name, fn))
+            setattr(module, name, wrappers[id(fn)])
+
+
+def uninstall_ops_dispatch():
+    """Put every original `keras.ops` function back."""
+    while _patched:
+        module, name, original = _patched.pop()
+        setattr(module, name, original)
+
+
+def getitem(x, key):
+    """`x[key]` of a ScaledTensor (not an int key): the data indexed, scale
+    and grad scale unchanged (indexing does not change values)."""
+    return ScaledTensor(x.data[key], x.scale, x.grad_scale)
