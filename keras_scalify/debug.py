@@ -8,6 +8,8 @@
   ScaledTensor arguments, returned as ScaledTensors
   `(cotangent_of_data, scale=grad_scale)`: `to_array` gives the true
   gradient, and `stats` shows how well it is scaled.
+- `count_params(model)`: parameters counted as the Keras original counts
+  them (a scaled weight by its data; scales and states are bookkeeping).
 - `gemm_coverage(model, inputs)`: the share of a model's kernel GEMM FLOPs
   that run in scaled layers (and on an FP8 route), per layer.
 """
@@ -95,6 +97,24 @@ def scaled_value_and_grad(fn):
 
 
 # --- GEMM coverage -------------------------------------------------------
+
+
+def count_params(model):
+    """The number of parameters of `model` as its plain Keras original
+    counts them: a ScaledVariable by its data; weight scales, gradient
+    scales and delayed-rescaling states are bookkeeping and not counted.
+    Equal to the original's `count_params()` after `scalify`."""
+    from keras_scalify.layers.base import STATE_ATTRS
+
+    n = 0
+    for v in model.weights:
+        sv = getattr(v, "_ksc_scaled_variable", None)
+        if sv is not None and v is not sv.data:
+            continue
+        if v.name in STATE_ATTRS:
+            continue
+        n += int(np.prod(v.shape))
+    return n
 
 
 def _einsum_flops(equation, x_shape, kernel_shape):

@@ -94,26 +94,11 @@ class ScaledLayer(keras.layers.Layer):
     # exactly. Scaled layers of a rebuilt graph save all their variables.
 
     def _own_weight_groups(self):
-        """This layer's own weights, a ScaledVariable for its parts, in
-        creation order; delayed-rescaling states left out."""
-        owner = {}
-        for sv in self._scaled_weights:
-            for v in sv.variables:
-                owner[id(v)] = sv
-        skip = {
-            id(getattr(self, attr))
-            for attr in ("grad_scale_state", "plain_io_grad_scale_state")
-            if getattr(self, attr, None) is not None
-        }
-        seen, out = set(), []
-        for v in self._trainable_variables + self._non_trainable_variables:
-            if id(v) in skip:
-                continue
-            item = owner.get(id(v), v)
-            if id(item) not in seen:
-                seen.add(id(item))
-                out.append(item)
-        return out
+        """This layer's own weights (not its sublayers'), grouped as
+        `_weight_groups`."""
+        return _group_weights(
+            [self], self._trainable_variables + self._non_trainable_variables
+        )
 
     def save_own_variables(self, store):
         if not getattr(self, "_keras_format_weights", False):
@@ -186,25 +171,10 @@ class ScaledLayer(keras.layers.Layer):
         return list(self._scaled_weights)
 
     def _weight_groups(self):
-        """Each weight once: a ScaledVariable for its three parts."""
-        owner, skip = {}, set()
-        for layer in self._flatten_layers(include_self=True, recursive=True):
-            for sv in getattr(layer, "_scaled_weights", []):
-                for v in sv.variables:
-                    owner[id(v)] = sv
-            for attr in ("grad_scale_state", "plain_io_grad_scale_state"):
-                state = getattr(layer, attr, None)
-                if state is not None:
-                    skip.add(id(state))
-        seen, out = set(), []
-        for v in self.weights:
-            if id(v) in skip:
-                continue
-            item = owner.get(id(v), v)
-            if id(item) not in seen:
-                seen.add(id(item))
-                out.append(item)
-        return out
+        """Each weight once: a ScaledVariable for its three parts;
+        delayed-rescaling states (bookkeeping) left out."""
+        layers = self._flatten_layers(include_self=True, recursive=True)
+        return _group_weights(layers, self.weights)
 
     def get_weights(self):
         """Represented float32 values of scaled weights, then plain weights."""
@@ -228,6 +198,34 @@ class ScaledLayer(keras.layers.Layer):
         its data shape is kept."""
         config = super().get_build_config()
         return None if config is None else plain_shapes(config)
+
+
+# The delayed-rescaling states a scaled layer may hold (bookkeeping, not
+# weights of the Keras counterpart).
+STATE_ATTRS = ("grad_scale_state", "plain_io_grad_scale_state")
+
+
+def _group_weights(layers, variables):
+    """`variables` in order, each ScaledVariable (of `layers`) once in place
+    of its parts, the states of `layers` left out."""
+    owner, skip = {}, set()
+    for layer in layers:
+        for sv in getattr(layer, "_scaled_weights", []):
+            for v in sv.variables:
+                owner[id(v)] = sv
+        for attr in STATE_ATTRS:
+            state = getattr(layer, attr, None)
+            if state is not None:
+                skip.add(id(state))
+    seen, out = set(), []
+    for v in variables:
+        if id(v) in skip:
+            continue
+        item = owner.get(id(v), v)
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out
 
 
 _KERAS_NAMED = {}

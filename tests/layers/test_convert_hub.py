@@ -24,20 +24,6 @@ def _outputs(model, x):
     return [_np(t) for t in keras.tree.flatten(model(x))]
 
 
-def _represented_params(model):
-    """Weights counted as the original model counts them: a ScaledVariable
-    by its data; scales and delayed-rescaling states are bookkeeping."""
-    n = 0
-    for v in model.weights:
-        sv = getattr(v, "_ksc_scaled_variable", None)
-        if sv is not None and v is not sv.data:
-            continue
-        if v.name.endswith("grad_scale_state"):
-            continue
-        n += int(np.prod(v.shape))
-    return n
-
-
 def _head(backbone):
     """A Functional model on a backbone's (sequence) output."""
     out = backbone.output
@@ -81,7 +67,7 @@ def test_scalify_converts_keras_hub_models(name):
 
     out = ksc.scalify(model, dtype="scaled_fp8")
     assert out is model  # converted in place, class and methods kept
-    assert _represented_params(model) == n_params  # tied layers stay shared
+    assert ksc.debug.count_params(model) == n_params  # tied layers stay shared
     kernel_classes = (
         keras.layers.Dense,
         keras.layers.EinsumDense,
