@@ -1,23 +1,26 @@
 """Model conversion: `scalify` (Keras → scaled) and `unscalify` (back).
 
-`scalify(model)` returns a new model in which the Keras layers that have a
-scaled counterpart (Dense, EinsumDense, LayerNormalization,
-RMSNormalization, Embedding, Activation, Add, Dropout, MultiHeadAttention)
-are replaced by it, holding the same (represented) weights. ScaledTensors
-flow between scaled layers; boundaries are inserted where needed:
+`scalify(model)` replaces the Keras layers that have a scaled counterpart
+(Dense, EinsumDense, Embedding, ReversibleEmbedding, LayerNormalization,
+RMSNormalization, Activation, Add, Dropout, MultiHeadAttention) by it,
+holding the same (represented) weights:
 
-- `AsScaled` where a plain floating tensor (a model input, the output of an
-  unconverted layer) enters a converted layer;
-- `ToArray` before every unconverted layer that would receive a
-  ScaledTensor, and on every model output.
+- a plain Sequential/Functional model is rebuilt into a new one in which
+  ScaledTensors flow between scaled layers, with `AsScaled` where a plain
+  floating tensor (a model input, the output of an unconverted layer)
+  enters a converted layer and `ToArray` before every unconverted layer
+  that would receive a ScaledTensor and on every model output; its
+  unconverted layers are reused (not copied);
+- inside every other layer or model (custom layers, keras-hub backbones
+  and tasks, subclassed models) the convertible sublayers are replaced in
+  place (`convert_inplace.py`) by plain-I/O scaled layers.
 
-Unconverted layers are cloned with their weights, so the new model shares
-no variable with the original. `unscalify(model)` does the opposite: every
-scaled layer becomes its Keras counterpart with the represented float32
-weights, boundary layers (`AsScaled`, `ToArray`) and `DynamicRescaleGrad`
-(identity forward) are removed, so the result loads without keras_scalify.
+`unscalify(model)` does the opposite: every scaled layer becomes its Keras
+counterpart with the represented float32 weights, boundary layers
+(`AsScaled`, `ToArray`) and `DynamicRescaleGrad` (identity forward) are
+removed, so the result loads without keras_scalify.
 
-Both walk the model's graph themselves instead of using
+Rebuilding walks the model's graph rather than using
 `keras.models.clone_model`: Keras records a layer's outputs as a flat list
 of tensors, so a ScaledTensor (a named tuple) returned for a single plain
 output would be cut to its `data` by `clone_model`'s bookkeeping.
@@ -30,6 +33,7 @@ from keras import tree
 
 from keras_scalify.convert_inplace import all_layers
 from keras_scalify.convert_inplace import convert_in_place
+from keras_scalify.convert_inplace import walk_sublayers
 from keras_scalify.convert_inplace import warn_unconverted
 from keras_scalify.core.scaled_tensor import is_scaled
 
@@ -388,6 +392,10 @@ class _ScalifyStep:
     def new_layer(self, layer):
         if id(layer) in self.layers:
             return self.layers[id(layer)]
+        if not isinstance(layer, keras.layers.Layer):
+            # An Operation node (`keras.ops` call, `ScaledOperation`): kept.
+            self.layers[id(layer)] = layer
+            return layer
         excluded = self._excluded(layer)
         keras_name = None if excluded else _convertible_name(layer)
         if isinstance(layer, keras.Model) and not excluded:
@@ -428,11 +436,7 @@ class _ScalifyStep:
             # Weightless layers gain nothing from scaling between plain
             # code; an unbuilt layer was never called.
             return False
-        # Same path as `layer` (its variables' paths too): paths name weights
-        # in optimizers, layout maps and summaries.
-        with contextlib.ExitStack() as scopes:
-            for part in layer.path.split("/")[:-1]:
-                scopes.enter_context(keras.name_scope(part))
+        with _name_scopes_of(layer):
             try:
                 new = self._convert(layer, keras_name)
             except ValueError as e:
@@ -445,8 +449,17 @@ class _ScalifyStep:
         """Converts the layers inside `root` in place; the plain layers left
         under a scaled policy compute in float32."""
         convert_in_place(root, self.choose)
-        for layer in all_layers(root):
-            _plain_policy_to_float32(layer)
+        if self._excluded(root):
+            return
+        _plain_policy_to_float32(root)
+
+        def visit(parent, child):
+            if self._excluded(child):
+                return False  # kept as it is, policy included
+            _plain_policy_to_float32(child)
+            return True
+
+        walk_sublayers(root, visit)
 
     def _record(self, layer):
         if self.called is not None:
@@ -485,8 +498,12 @@ class _ScalifyStep:
     def to_plain_for(self, layer):
         """`ToArray` for the inputs of unconverted plain layers (and of
         nested models, plain outside); None for scaled layers."""
+        from keras_scalify.ops.symbolic import ScaledOperation
+
         new = self.new_layer(layer)
-        return None if hasattr(new, "_scaled_weights") else self._unwrap
+        if hasattr(new, "_scaled_weights") or isinstance(new, ScaledOperation):
+            return None
+        return self._unwrap
 
     def __call__(self, layer, args, kwargs):
         from keras_scalify.layers.embedding import ScaledEmbedding
@@ -562,6 +579,18 @@ def scalify(model, dtype=None, exclude=()):
     return _finish(model, model)
 
 
+@contextlib.contextmanager
+def _name_scopes_of(layer):
+    """The name scopes `layer` was created in: a layer made in them has
+    `layer`'s path, and its variables have the paths of `layer`'s (paths
+    name weights in optimizers, layout maps and summaries; two weights
+    with one path made training on torch diverge)."""
+    with contextlib.ExitStack() as scopes:
+        for part in layer.path.split("/")[:-1]:
+            scopes.enter_context(keras.name_scope(part))
+        yield
+
+
 def _plain_dtype_of(layer):
     """The dtype a plain-I/O scaled layer returns in place of `layer`: its
     compute dtype, float32 for a scaled policy (the plain code around it
@@ -613,7 +642,14 @@ class _UnscalifyStep:
         from keras_scalify.layers.base import ScaledLayer
 
         if isinstance(layer, ScaledLayer):
-            return layer.to_keras() if layer.plain_io else False
+            if layer.plain_io:
+                with _name_scopes_of(layer):
+                    return layer.to_keras()
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) is a scaled "
+                f"layer inside a custom layer that calls it on ScaledTensors: "
+                f"it has no plain replacement there; it cannot be unscalified."
+            )
         return None
 
     def inside(self, root):
@@ -624,9 +660,19 @@ class _UnscalifyStep:
     def new_layer(self, layer):
         from keras_scalify.layers.base import ScaledLayer
 
+        from keras_scalify.ops.symbolic import ScaledOperation
+
         if id(layer) in self.layers:
             return self.layers[id(layer)]
-        if isinstance(layer, keras.Model):
+        if isinstance(layer, ScaledOperation):
+            raise ValueError(
+                f"The graph calls `keras_scalify.ops.{layer.function}` "
+                f"({layer.name!r}), which has no plain Keras counterpart; "
+                f"it cannot be unscalified."
+            )
+        if not isinstance(layer, keras.layers.Layer):
+            new = layer  # a `keras.ops` node
+        elif isinstance(layer, keras.Model):
             new = unscalify(layer)
         elif isinstance(layer, ScaledLayer):
             if not hasattr(layer, "to_keras"):

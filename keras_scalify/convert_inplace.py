@@ -80,6 +80,7 @@ def replace_layers(root, mapping):
     """Puts `new` wherever `old` is referenced in `root`'s layer tree, for
     every `(old, new)` of `mapping` (keyed by `id(old)`)."""
     parents = all_layers(root)
+    _check_graphs(root, parents, mapping)
     for parent in parents:
         tracker = getattr(parent, "_tracker", None)
         if tracker is not None and "layers" in tracker.config:
@@ -107,6 +108,40 @@ def replace_layers(root, mapping):
         new._outbound_nodes = list(old._outbound_nodes)
     for parent in parents:
         refresh_layer_params(parent)
+    for old, _ in mapping.values():
+        object.__setattr__(old, "call", _replaced(old))
+
+
+def _check_graphs(root, parents, mapping):
+    """Refuse to replace a layer that a graph outside `root` calls: that
+    graph would call the new layer while tracking the old one's weights."""
+    inside = {
+        id(node)
+        for layer in parents
+        for nodes in getattr(layer, "_nodes_by_depth", {}).values()
+        for node in nodes
+    }
+    for old, _ in mapping.values():
+        if any(id(node) not in inside for node in old._inbound_nodes):
+            raise ValueError(
+                f"Layer {old.name!r} is also called by a model outside "
+                f"{root.name!r} (e.g. a task model around this backbone): "
+                f"convert the outermost model instead."
+            )
+
+
+def _replaced(old):
+    """The `call` of a layer replaced in place: an error, not stale
+    values, if anything still calls it."""
+
+    def call(*args, **kwargs):
+        raise RuntimeError(
+            f"Layer {old.name!r} was replaced in place by `scalify` / "
+            f"`unscalify`; call the model it belonged to (the layer now in "
+            f"its place is the one to use)."
+        )
+
+    return call
 
 
 def _swap(value, mapping, depth):

@@ -1,5 +1,7 @@
 """Shared base of the scaled layers."""
 
+import functools
+
 import keras
 import numpy as np
 
@@ -49,11 +51,11 @@ class ScaledLayer(keras.layers.Layer):
         gradient rescale. Not saved in `get_config`: the layer that holds
         this one decides it.
 
-        `keras_name`: the class name of the Keras layer this one replaces.
-        The layer then takes a subclass of that name, so that Keras's
-        saving, which names the layers of a Functional graph after their
-        class, stores its (Keras-layout) weights where the plain model
-        looks for them."""
+        The layer takes a subclass of its class (named `keras_name`, the
+        Keras class it replaces, when given: Keras's saving names the
+        layers of a Functional graph after their class, and so stores the
+        Keras-layout weights where the plain model looks for them) whose
+        output spec is plain, so symbolic calls record plain outputs."""
         if not self.built:
             raise ValueError(
                 f"Layer {self.name!r} must be built before `enable_plain_io`."
@@ -71,10 +73,11 @@ class ScaledLayer(keras.layers.Layer):
         for layer in self._flatten_layers(include_self=True, recursive=True):
             if isinstance(layer, ScaledLayer):
                 layer._keras_format_weights = True
-        if keras_name is not None:
-            object.__setattr__(
-                self, "__class__", _keras_named(type(self), keras_name)
-            )
+        object.__setattr__(
+            self,
+            "__class__",
+            _plain_io_class(type(self), keras_name or type(self).__name__),
+        )
 
     def __repr__(self):
         if not self.plain_io:
@@ -118,16 +121,32 @@ class ScaledLayer(keras.layers.Layer):
         for i, item in enumerate(groups):
             item.assign(store[str(i)])
 
+
+    def compute_output_spec(self, *args, **kwargs):
+        """By default, traced from `call` (Keras would derive it from
+        `compute_output_shape`, which is derived from this)."""
+        from keras.src.ops.operation import Operation
+
+        return Operation.compute_output_spec(self, *args, **kwargs)
+
+    def compute_output_shape(self, *args, **kwargs):
+        """The data shape(s) of `compute_output_spec` on inputs of these
+        shapes (Keras layers, keras-hub blocks and wrappers such as
+        `TimeDistributed` ask for shapes)."""
+
+        def spec(shape):
+            if isinstance(shape, (tuple, list)) and all(
+                d is None or isinstance(d, (int, np.integer)) for d in shape
+            ):
+                return keras.KerasTensor(tuple(shape), dtype=self.compute_dtype)
+            return shape
+
+        out = self.compute_output_spec(
+            *[spec(a) for a in args], **{k: spec(v) for k, v in kwargs.items()}
+        )
+        return keras.tree.map_structure(lambda t: tuple(t.shape), plain_shapes_of(out))
+
     def __call__(self, *args, **kwargs):
-        if self._plain_io_dtype is not None and not contains_scaled(
-            (args, kwargs)
-        ):
-            from keras_scalify.layers.plain_io import plain_io_call
-
-            return plain_io_call(self, self._scaled_call, args, kwargs)
-        return self._scaled_call(*args, **kwargs)
-
-    def _scaled_call(self, *args, **kwargs):
         # Input autocasting is off (see above), so NumPy inputs are turned
         # into tensors here: Keras builds layers from tensor shapes only.
         if args and isinstance(args[0], np.ndarray):
@@ -228,23 +247,57 @@ def _group_weights(layers, variables):
     return out
 
 
-_KERAS_NAMED = {}
+_PLAIN_IO_CLASSES = {}
 
 
-def _keras_named(cls, keras_name):
-    """A subclass of scaled class `cls` named `keras_name` (cached)."""
-    key = (cls, keras_name)
-    if key not in _KERAS_NAMED:
-        _KERAS_NAMED[key] = type(
-            keras_name,
+def plain_shapes_of(spec):
+    """A ScaledTensor spec as the KerasTensor of its data (structures
+    walked)."""
+    from keras_scalify.core.scaled_tensor import is_scaled
+
+    if is_scaled(spec):
+        return spec.data
+    if isinstance(spec, dict):
+        return {k: plain_shapes_of(v) for k, v in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(plain_shapes_of(v) for v in spec)
+    return spec
+
+
+def _plain_io_class(cls, name):
+    """The plain-I/O subclass of scaled class `cls`, named `name`: its
+    output spec is the scaled spec's data, in the plain dtype (cached)."""
+    key = (cls, name)
+    if key not in _PLAIN_IO_CLASSES:
+
+        def call(self, *args, **kwargs):
+            # At the `call` level, so that wrappers calling `layer.call`
+            # directly (TimeDistributed) get plain values too.
+            from keras_scalify.layers.plain_io import plain_io_call
+
+            return plain_io_call(
+                self, functools.partial(cls.call, self), args, kwargs
+            )
+
+        def compute_output_spec(self, *args, **kwargs):
+            out = plain_shapes_of(cls.compute_output_spec(self, *args, **kwargs))
+            return keras.tree.map_structure(
+                lambda t: keras.KerasTensor(t.shape, dtype=self._plain_io_dtype),
+                out,
+            )
+
+        _PLAIN_IO_CLASSES[key] = type(
+            name,
             (cls,),
             {
                 "__module__": cls.__module__,
-                "__qualname__": f"{cls.__qualname__}.{keras_name}",
+                "__qualname__": f"{cls.__qualname__}.{name}",
                 "_scaled_class_name": cls.__name__,
+                "call": call,
+                "compute_output_spec": compute_output_spec,
             },
         )
-    return _KERAS_NAMED[key]
+    return _PLAIN_IO_CLASSES[key]
 
 
 def contains_scaled(x):

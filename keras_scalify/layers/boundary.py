@@ -180,10 +180,12 @@ def install_plain_outputs():
     if getattr(original, "_keras_scalify_outputs", False):
         return
 
-    def __init__(self, inputs, outputs, *args, **kwargs):
+    # Keras's `functional_like_constructor` inspects this signature when
+    # it reloads Functional subclasses: keep the original's.
+    def __init__(self, inputs, outputs, name=None, **kwargs):
         if contains_scaled(outputs):
             outputs = _plain_outputs(outputs)
-        return original(self, inputs, outputs, *args, **kwargs)
+        return original(self, inputs, outputs, name=name, **kwargs)
 
     __init__._keras_scalify_outputs = True
     __init__.__wrapped__ = original

@@ -24,8 +24,8 @@ a converted custom layer computes what the original did.
 
 import keras
 from keras import ops
-from keras import tree
 
+from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import scale_grad
@@ -41,12 +41,6 @@ def _is_float_tensor(x):
     if x is None or is_scaled(x) or not hasattr(x, "dtype"):
         return False
     return "float" in keras.backend.standardize_dtype(x.dtype)
-
-
-def _symbolic(args, kwargs):
-    return any(
-        isinstance(x, keras.KerasTensor) for x in tree.flatten((args, kwargs))
-    )
 
 
 def _encode(x, grad_scale):
@@ -75,15 +69,6 @@ def _decode_outputs(outputs, state, dtype, anchor):
     return _map_scaled(decode, outputs)
 
 
-def _spec_outputs(outputs, dtype):
-    return _map_scaled(
-        lambda x: keras.KerasTensor(x.data.shape, dtype=dtype)
-        if is_scaled(x)
-        else x,
-        outputs,
-    )
-
-
 def _map_scaled(fn, x):
     if is_scaled(x):
         return fn(x)
@@ -94,17 +79,48 @@ def _map_scaled(fn, x):
     return fn(x)
 
 
+def _input_masks(layer, args, kwargs):
+    """The Keras masks (`_keras_mask`) of the floating inputs. Encoding
+    drops them, so a layer that reads them (attention) refuses them; the
+    others pass the first one on to their output, as Keras does for Dense,
+    EinsumDense and the normalizations."""
+    from keras.src.backend import get_keras_mask
+
+    from keras_scalify.layers.attention import ScaledMultiHeadAttention
+
+    values = list(args) + [kwargs[k] for k in _TENSOR_KWARGS if k in kwargs]
+    masks = [
+        m
+        for m in (get_keras_mask(v) for v in values if _is_float_tensor(v))
+        if m is not None
+    ]
+    if masks and isinstance(layer, ScaledMultiHeadAttention):
+        raise ValueError(
+            f"Layer {layer.name!r}: a converted attention layer does not "
+            f"read the Keras masks attached to its inputs (`_keras_mask`); "
+            f"pass `attention_mask` explicitly, or keep the layer plain with "
+            f"`scalify(..., exclude=[{layer.name!r}])`."
+        )
+    return masks
+
+
+def _set_keras_mask(outputs, mask):
+    from keras.src.backend import set_keras_mask
+
+    first = keras.tree.flatten(outputs)[0]
+    set_keras_mask(first, mask)
+
+
 def plain_io_call(layer, call, args, kwargs):
-    """`call(*args, **kwargs)` (the layer's Keras `__call__`) with plain
+    """`call(*args, **kwargs)` (the scaled class's `call`) with plain
     floating inputs encoded and ScaledTensor outputs decoded (see above)."""
     dtype = layer._plain_io_dtype
-    if _symbolic(args, kwargs):
-        return _spec_outputs(call(*args, **kwargs), dtype)
     from keras_scalify.layers.variable import read_tensor
 
     state = read_tensor(layer.plain_io_grad_scale_state)
-    stop = ops.stop_gradient(state)
+    stop = pow2.pow2_round_down(ops.stop_gradient(state))
     g_in = ops.where(ops.greater(stop, 0.0), stop, ops.ones_like(stop))
+    masks = _input_masks(layer, args, kwargs)
     encoded = []
 
     def encode(x):
@@ -120,4 +136,7 @@ def plain_io_call(layer, call, args, kwargs):
     # (an embedding lookup sums it into the table in float32): one anchor,
     # so a tied embedding (lookup + reverse) updates its state once.
     outputs = call(*args, **kwargs)
-    return _decode_outputs(outputs, state, dtype, anchor=bool(encoded))
+    outputs = _decode_outputs(outputs, state, dtype, anchor=bool(encoded))
+    if masks:
+        _set_keras_mask(outputs, masks[0])
+    return outputs

@@ -66,15 +66,24 @@ _SKIP = {
 _patched = []  # (module, name, original)
 
 
+def _scaled_in(a):
+    if type(a) is ScaledTensor:
+        return True
+    if type(a) in (list, tuple):
+        return any(type(v) is ScaledTensor for v in a)
+    if type(a) is dict:
+        return any(type(v) is ScaledTensor for v in a.values())
+    return False
+
+
 def _has_scaled(args, kwargs):
     for a in args:
-        if type(a) is ScaledTensor:
+        if _scaled_in(a):
             return True
-        if type(a) in (list, tuple) and any(type(v) is ScaledTensor for v in a):
-            return True
-    for v in kwargs.values():
-        if type(v) is ScaledTensor:
-            return True
+    if kwargs:
+        for v in kwargs.values():
+            if _scaled_in(v):
+                return True
     return False
 
 
@@ -107,25 +116,45 @@ def _rule(name):
     if name in _EXTRA_RULES:
         return _EXTRA_RULES[name]
     fn = getattr(sops, name, None)
-    if fn is None or name in ("as_scaled", "to_array"):
+    if not callable(fn) or isinstance(fn, types.ModuleType):
+        return None
+    if name in ("as_scaled", "to_array"):
         return None
     return fn
 
 
+def _rule_arguments(signature, rule_params, args, kwargs):
+    """The call's arguments by name (bound to the original function's
+    signature), or None when one of them is not a parameter of the rule:
+    `layer_normalization(x, gamma)` must not bind `gamma` to the rule's
+    `axis`."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    if not set(bound.arguments) <= rule_params:
+        return None
+    return bound
+
+
 def _make_wrapper(name, original):
     rule = _rule(name)
-    signature = None if rule is None else inspect.signature(rule)
+    signature = rule_params = None
+    if rule is not None:
+        try:
+            signature = inspect.signature(original)
+        except (TypeError, ValueError):
+            rule = None
+        else:
+            rule_params = set(inspect.signature(rule).parameters)
 
     def wrapper(*args, **kwargs):
         if not _has_scaled(args, kwargs):
             return original(*args, **kwargs)
         if rule is not None:
-            try:
-                signature.bind(*args, **kwargs)
-            except TypeError:
-                pass  # arguments the rule lacks (e.g. `gamma`): plain path
-            else:
-                return rule(*args, **kwargs)
+            bound = _rule_arguments(signature, rule_params, args, kwargs)
+            if bound is not None:
+                return rule(*bound.args, **bound.kwargs)
         return original(*_decode(args), **_decode(kwargs))
 
     wrapper.__name__ = getattr(original, "__name__", name)

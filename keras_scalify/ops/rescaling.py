@@ -130,8 +130,10 @@ def _delayed_fn(statistic):
 
 
 def delayed_rescale_grad(x, state, statistic="l2"):
-    """Rule: `g = state` (the previous step's measured grad scale; the
-    propagated `ga` while `state == 0`); scale and data unchanged.
+    """Rule: `g = P(state)` (the previous step's measured grad scale,
+    rounded down to a power of two: a layer called twice in a step receives
+    the sum of two; the propagated `ga` while `state == 0`); scale and data
+    unchanged.
 
     Backward: the cotangent is re-expressed in `ga` units (exact pow2), and
     the "gradient" of `state` is the next grad scale (`next_grad_scale`).
@@ -145,7 +147,9 @@ def delayed_rescale_grad(x, state, statistic="l2"):
     x = promote(x, None, "x")
     sa, ga = scalars(x)
     state = ops.convert_to_tensor(state, "float32")
-    s_state = stop(state)
+    # A power of two even when the layer ran twice in a step (autodiff then
+    # summed two next grad scales into the state).
+    s_state = pow2.pow2_round_down(stop(state))
     g_out = ops.where(ops.greater(s_state, 0.0), s_state, ga)
     data = _delayed_fn(statistic)(x.data, state, ga, g_out)
     return ScaledTensor(data, x.scale, g_out)

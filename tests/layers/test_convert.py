@@ -342,3 +342,95 @@ def test_unconverted_layers_are_kept_not_cloned():
     assert new is not model
     assert new.get_layer("sd") is model.get_layer("sd")
     assert new.get_layer("reshape") is model.get_layer("reshape")
+
+
+def test_wrappers_and_ops_nodes_in_a_rebuilt_graph():
+    """Keras wrappers ask their layer for output shapes (TimeDistributed);
+    `keras.ops` nodes and `x + y` between KerasTensors are kept as they
+    are, fed plain values."""
+    inp = keras.Input((3, 6))
+    h = keras.layers.TimeDistributed(keras.layers.Dense(5), name="td")(inp)
+    h = ops.tanh(h) + h
+    out = keras.layers.Dense(2, name="head")(h)
+    model = keras.Model(inp, out)
+    x = _x((4, 3, 6))
+    expected = _predict(model, x)
+    new = ksc.scalify(model, dtype="scaled_float32")
+    assert isinstance(new.get_layer("head"), ScaledDense)
+    assert isinstance(new.get_layer("td").layer, ScaledDense)
+    _close(_predict(new, x), expected)
+
+
+def test_plain_io_layer_called_twice_keeps_a_pow2_grad_scale():
+    """A converted layer called twice in a step gets two statistics summed
+    into its state; the grad scale it reads is still a power of two."""
+
+    class Twice(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.d(self.d(x))
+
+    inp = keras.Input((4,))
+    model = keras.Model(inp, Twice(name="twice")(inp))
+    model = ksc.scalify(model, dtype="scaled_fp16")
+    dense = model.get_layer("twice").d
+    assert dense.plain_io
+    model.compile(optimizer=ksc.ScaledOptimizer(keras.optimizers.SGD(1e-2)), loss="mse")
+    x = _x((16, 4))
+    history = model.fit(x, x, epochs=3, batch_size=8, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    state = float(to_np(dense.plain_io_grad_scale_state))
+    assert state > 0
+    from keras_scalify.core import pow2
+
+    rounded = float(to_np(pow2.pow2_round_down(np.float32(state))))
+    assert rounded <= state < 2 * 2 * rounded  # two powers of two summed
+
+
+def test_functional_subclass_round_trips_with_keras_scalify_imported(tmp_path):
+    """The Functional constructor keras_scalify wraps keeps its signature,
+    which Keras reads to reload Functional subclasses."""
+
+    @keras.saving.register_keras_serializable(package="test_convert")
+    class MyFunctional(keras.Model):
+        def __init__(self, inputs, outputs, name=None, **kwargs):
+            super().__init__(inputs, outputs, name=name, **kwargs)
+
+    inp = keras.Input((3,))
+    model = MyFunctional(inp, keras.layers.Dense(2)(inp))
+    path = str(tmp_path / "f.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    x = _x((2, 3))
+    _close(_predict(loaded, x), _predict(model, x))
+
+
+def test_converted_attention_refuses_implicit_keras_masks():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = keras.layers.Embedding(10, 8, mask_zero=True)
+            self.mha = keras.layers.MultiHeadAttention(2, 4)
+
+        def call(self, t):
+            h = self.emb(t)
+            return self.mha(h, h)
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def call(self, t):
+            return self.block(t)
+
+    model = Sub()
+    tokens = np.array([[1, 2, 3, 0, 0]], "int32")
+    model(tokens)
+    with pytest.warns(UserWarning, match="mask_zero"):
+        ksc.scalify(model, dtype="scaled_float32")
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(tokens)

@@ -198,3 +198,25 @@ def test_scalify_inside_a_functional_model_around_a_backbone():
     assert ksc.debug.gemm_coverage(new, x)["fraction"] == 1.0
     for a, b in zip(expected, _outputs(new, x)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+
+
+def test_task_built_on_a_scalified_backbone_and_outside_callers():
+    """Plain-I/O layers record plain symbolic outputs, so a task model can
+    be built on a converted backbone; a backbone whose layer a task's graph
+    also calls is refused (convert the task), not half-converted."""
+    import keras_hub
+
+    backbone = ksc.scalify(hm.MODELS["gpt2_backbone"](), dtype="scaled_fp8")
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    x = hm.make_inputs("gpt2_causal_lm")
+    assert all(np.isfinite(o).all() for o in _outputs(lm, x))
+    assert ksc.debug.gemm_coverage(lm, x)["fraction"] == 1.0
+
+    lm = hm.MODELS["gpt2_causal_lm"]()
+    old = lm.backbone.token_embedding
+    with pytest.raises(ValueError, match="outermost"):
+        ksc.scalify(lm.backbone, dtype="scaled_fp8")
+    assert lm.backbone.token_embedding is old  # nothing replaced
+    ksc.scalify(lm, dtype="scaled_fp8")
+    with pytest.raises(RuntimeError, match="replaced in place"):
+        old(np.zeros((1, 2), "int32"))

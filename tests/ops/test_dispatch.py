@@ -178,3 +178,18 @@ def test_dispatch_wraps_each_function_once():
     assert keras.ops.einsum.__wrapped__ is not keras.ops.einsum
     assert not getattr(keras.ops.einsum.__wrapped__, "_keras_scalify_dispatch", False)
     assert dispatch._rule("softmax") is ksc.ops.softmax
+
+
+def test_calls_the_rule_cannot_take_fall_back_to_the_plain_op(rng):
+    """Arguments bind to the original's signature: `layer_normalization(x,
+    gamma)` must not pass `gamma` as the rule's `axis`; lists given by
+    keyword are scanned too."""
+    x = _st(rng, (3, 4))
+    gamma = np.full((4,), 2.0, "float32")
+    out = ops.layer_normalization(x, gamma)
+    assert not ksc.is_scaled(out)
+    expected = ops.layer_normalization(ops.convert_to_tensor(to_np(x).astype("float32")), gamma)
+    assert_close(out, expected, rtol=1e-5, atol_rel=1e-5)
+    both = ops.concatenate(xs=[x, x], axis=0)
+    assert ksc.is_scaled(both)
+    assert_close(both, np.concatenate([to_np(x)] * 2), rtol=1e-6)

@@ -65,3 +65,16 @@ def test_symbolic_ops_between_scaled_layers_train(rng):
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0]
     assert to_np(model.predict(xv[:2], verbose=0)).shape == (2, 2)
+
+
+def test_graphs_with_scaled_operations_scalify_and_refuse_unscalify(rng):
+    w = rng.standard_normal((8, 3)).astype("float32")
+    x, _, y = _graph(w)
+    model = keras.Model(x, y)
+    xv = rng.standard_normal((4, 8)).astype("float32")
+    new = ksc.scalify(model)
+    assert_close(new.predict(xv, verbose=0), model.predict(xv, verbose=0), rtol=1e-6)
+    import pytest
+
+    with pytest.raises(ValueError, match="no plain Keras counterpart"):
+        ksc.unscalify(model)
