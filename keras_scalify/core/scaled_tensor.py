@@ -56,6 +56,13 @@ class ScaledTensor(
         raise TypeError("A ScaledTensor is not a tf.Tensor. " + _PLAIN_OP_HINT)
 
     def __new__(cls, data, scale, grad_scale=None):
+        if _is_number(scale) or _is_number(grad_scale):
+            # A real scale: the data must be a float tensor or number. (Other
+            # contents, e.g. ScaledTensor(None, None, None) or of shapes, are
+            # what pytree utilities build when they map over the fields.)
+            _check_data(data)
+            _check_number_scale("scale", scale, allow_zero=True)
+            _check_number_scale("grad_scale", grad_scale, allow_zero=False)
         if _is_tensor_like(data) or isinstance(data, (float, int)):
             if not isinstance(data, (float, int)) or isinstance(data, bool):
                 _check_float("data", data)
@@ -157,6 +164,41 @@ def _ops():
     from keras_scalify import ops as ksc_ops
 
     return ksc_ops
+
+
+def _is_number(x):
+    return isinstance(x, (float, int, np.floating, np.integer)) and not isinstance(
+        x, (bool, np.bool_)
+    )
+
+
+def _check_data(data):
+    if isinstance(data, (float, int, np.floating, np.integer)) and not isinstance(
+        data, (bool, np.bool_)
+    ):
+        return
+    if not _is_tensor_like(data):
+        raise TypeError(
+            f"`data` must be a floating-point tensor (or a Python number), got "
+            f"{type(data).__name__} {data!r:.80}."
+        )
+
+
+def _check_number_scale(name, v, allow_zero):
+    """Value checks of a Python/NumPy scale (tensors are not read: that
+    would synchronize with the device): finite, >= 0, a power of two."""
+    if not _is_number(v):
+        return
+    v = float(v)
+    if not np.isfinite(v):
+        raise ValueError(f"`{name}` must be finite, got {v}.")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"`{name}` must be positive, got {v}.")
+    if v != 0 and float(np.exp2(np.floor(np.log2(v)))) != v:
+        raise ValueError(
+            f"`{name}` must be a power of two (or 0), got {v}. Use "
+            f"`keras_scalify.core.pow2_round_down` to round it."
+        )
 
 
 def _check_float(name, x):

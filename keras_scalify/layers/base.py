@@ -149,11 +149,21 @@ class ScaledLayer(keras.layers.Layer):
     def __call__(self, *args, **kwargs):
         # Input autocasting is off (see above), so NumPy inputs are turned
         # into tensors here: Keras builds layers from tensor shapes only.
-        if args and isinstance(args[0], np.ndarray):
-            x = np.asarray(args[0])
-            if x.dtype == np.float64:
-                x = x.astype(np.float32)
-            args = (keras.ops.convert_to_tensor(x),) + args[1:]
+        args = tuple(_numpy_to_tensor(a) for a in args)
+        kwargs = {
+            k: _numpy_to_tensor(v) if k in TENSOR_KWARGS else v
+            for k, v in kwargs.items()
+        }
+        min_ndim = getattr(self, "_min_input_ndim", None)
+        if min_ndim is not None and args:
+            x = args[0].data if is_scaled_tensor(args[0]) else args[0]
+            ndim = len(getattr(x, "shape", ()) or ())
+            if ndim < min_ndim:
+                raise ValueError(
+                    f"Input 0 of layer {self.name!r} is incompatible with the "
+                    f"layer: expected min_ndim={min_ndim}, found ndim={ndim} "
+                    f"(`inputs` of shape {tuple(getattr(x, 'shape', ()))})."
+                )
         args = tuple(_repack_scaled(a) for a in args)
         kwargs = {k: _repack_scaled(v) for k, v in kwargs.items()}
         return super().__call__(*args, **kwargs)
@@ -298,6 +308,26 @@ def _plain_io_class(cls, name):
             },
         )
     return _PLAIN_IO_CLASSES[key]
+
+
+# Keyword arguments that carry input tensors (attention's query/value/key).
+TENSOR_KWARGS = ("inputs", "query", "value", "key")
+
+
+def _numpy_to_tensor(x):
+    """A NumPy array or scalar as a tensor (float64 as float32)."""
+    if not isinstance(x, (np.ndarray, np.generic)) or isinstance(x, np.bool_):
+        return x
+    x = np.asarray(x)
+    if x.dtype == np.float64:
+        x = x.astype(np.float32)
+    return keras.ops.convert_to_tensor(x)
+
+
+def is_scaled_tensor(x):
+    from keras_scalify.core.scaled_tensor import is_scaled
+
+    return is_scaled(x)
 
 
 def contains_scaled(x):

@@ -88,6 +88,10 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
             as in `keras.layers.Dense`.
     """
 
+    # As Keras's Dense (`InputSpec(min_ndim=2)`), checked in `__call__`.
+    _min_input_ndim = 2
+
+
     def __init__(
         self,
         units,

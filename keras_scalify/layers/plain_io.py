@@ -28,13 +28,12 @@ from keras import ops
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.layers.base import TENSOR_KWARGS
 from keras_scalify.ops._common import scale_grad
 from keras_scalify.ops.boundary import to_array
 from keras_scalify.ops.rescaling import delayed_rescale_grad
 from keras_scalify.ops.rescaling import dynamic_rescale_l2
 
-# Keyword arguments that carry activations (attention's query/value/key).
-_TENSOR_KWARGS = ("inputs", "query", "value", "key")
 
 
 def _is_float_tensor(x):
@@ -88,7 +87,7 @@ def _input_masks(layer, args, kwargs):
 
     from keras_scalify.layers.attention import ScaledMultiHeadAttention
 
-    values = list(args) + [kwargs[k] for k in _TENSOR_KWARGS if k in kwargs]
+    values = list(args) + [kwargs[k] for k in TENSOR_KWARGS if k in kwargs]
     masks = [
         m
         for m in (get_keras_mask(v) for v in values if _is_float_tensor(v))
@@ -129,7 +128,7 @@ def plain_io_call(layer, call, args, kwargs):
 
     args = tuple(encode(a) if _is_float_tensor(a) else a for a in args)
     kwargs = {
-        k: encode(v) if k in _TENSOR_KWARGS and _is_float_tensor(v) else v
+        k: encode(v) if k in TENSOR_KWARGS and _is_float_tensor(v) else v
         for k, v in kwargs.items()
     }
     # Only a call with floating inputs feeds its output cotangent to GEMMs

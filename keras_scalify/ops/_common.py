@@ -141,7 +141,20 @@ def check_input(name, x):
         raise TypeError(f"`{name}` must be a float, got a bool.")
     if isinstance(x, (int, np.integer)):
         return
-    dtype = standardize_dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(
+            f"`{name}` must be a floating-point tensor or a ScaledTensor, got "
+            f"{x!r}."
+        )
+    try:
+        dtype = standardize_dtype(
+            getattr(x, "dtype", None) or np.asarray(x).dtype
+        )
+    except ValueError:
+        raise TypeError(
+            f"`{name}` must be a floating-point tensor or a ScaledTensor, got "
+            f"{type(x).__name__} {x!r:.80}."
+        ) from None
     if not _is_float(dtype):
         raise TypeError(
             f"`{name}` must be a floating-point tensor or a ScaledTensor, got "

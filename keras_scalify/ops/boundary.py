@@ -31,6 +31,41 @@ def _check_scale_value(name, s, allow_zero):
         )
 
 
+# The smallest normal float32 power of two: a scale below it would be a
+# subnormal, which JAX and TensorFlow flush to zero in arithmetic on CPU.
+_MIN_NORMAL_EXPONENT = -126
+
+
+def _split_python_float(v):
+    """`v` as exact float32 `(data, scale)`: mantissa in [1, 2) × pow2,
+    the scale kept a normal float32 (a float32 subnormal value goes into
+    the data, exactly); 0 → (0, 0); inf/NaN stay in the data (scale 1), so
+    they propagate."""
+    if v == 0.0:
+        return np.float32(0.0), np.float32(0.0)
+    if not math.isfinite(v):
+        return np.float32(v), np.float32(1.0)
+    s, _ = pow2.np_pow2_decompose(v)
+    s = max(s, 2.0**_MIN_NORMAL_EXPONENT)
+    return np.float32(v / s), np.float32(s)
+
+
+def _check_static_scale(name, s):
+    """A Python/NumPy scale must survive its float32 conversion: 2**-160
+    would become 0 (a zero tensor), 2**200 inf."""
+    if s is None or not isinstance(s, (float, int, np.floating, np.integer)):
+        return
+    v = float(s)
+    if math.isfinite(v) and v != 0.0:
+        f = float(np.float32(v))
+        if f == 0.0 or not math.isfinite(f) or abs(f) < 2.0**_MIN_NORMAL_EXPONENT:
+            raise ValueError(
+                f"`{name}` must be a normal float32 power of two (between "
+                f"2**-126 and 2**127), got {v!r}: as float32 it would be "
+                f"{f!r}. Move the factor into the data instead."
+            )
+
+
 def as_scaled(x, scale=None, grad_scale=None):
     """A ScaledTensor with data `x` and `scale`: it represents `x * scale`.
 
@@ -56,9 +91,10 @@ def as_scaled(x, scale=None, grad_scale=None):
     if isinstance(x, (bool, np.bool_)):
         raise TypeError("`x` must be a float, got a bool.")
     if isinstance(x, (float, int, np.floating, np.integer)) and scale is None:
-        s, m = pow2.np_pow2_decompose(float(x))
-        x, scale = np.float32(m), np.float32(s)
+        x, scale = _split_python_float(float(x))
     check_input("x", x)
+    _check_static_scale("scale", scale)
+    _check_static_scale("grad_scale", grad_scale)
     if isinstance(x, (np.ndarray, np.generic, float, int, list, tuple)):
         x = np.asarray(x)
         if x.dtype == np.float64:

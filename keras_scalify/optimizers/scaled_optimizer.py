@@ -97,6 +97,15 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         self.inner_optimizer = inner_optimizer
         self.state_dtype = state_dtype
         self.rescale_every = int(rescale_every)
+        if not isinstance(stochastic_rounding, (bool, np.bool_)):
+            raise TypeError(
+                f"`stochastic_rounding` must be True or False, got "
+                f"{stochastic_rounding!r}."
+            )
+        if seed is not None and (
+            not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+        ):
+            raise TypeError(f"`seed` must be None or an int, got {seed!r}.")
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = seed
         self._ksc_accepts_scaled = True
@@ -396,7 +405,13 @@ def _is_float(dtype):
 
 
 def _check_state_dtype(dtype, arg):
-    name = standardize_dtype(dtype)
+    try:
+        name = standardize_dtype(dtype)
+    except Exception:
+        raise ValueError(
+            f"`{arg}` must be one of {STATE_DTYPES}, got {dtype!r} (not a "
+            f"dtype)."
+        ) from None
     if name not in STATE_DTYPES:
         raise ValueError(f"`{arg}` must be one of {STATE_DTYPES}, got {dtype!r}.")
     return name

@@ -11,6 +11,9 @@ MASTER_DTYPES = FLOAT_DTYPES
 STATE_DTYPES = FLOAT_DTYPES
 COMPUTE_DTYPES = FLOAT_DTYPES
 
+# The default of a dtype argument that was not given (None is refused).
+_UNSET = type("Unset", (), {"__repr__": lambda self: "<named policy's or float32>"})()
+
 # Every name a scaled policy may take starts with this prefix; the policy hook
 # routes exactly these names to `keras_scalify`.
 NAME_PREFIX = "scaled_"
@@ -104,7 +107,10 @@ master=float16 compute=float16 state=float32>
         name: The policy name. Must start with `"scaled_"`. Defaults to the
             name of the named policy with the same dtypes, if any, otherwise
             `"scaled_custom"`. The name of a named policy may only be given
-            with that policy's dtypes.
+            with that policy's dtypes (dtypes not given are that policy's:
+            `ScaledDTypePolicy("scaled_fp8")` is the named policy). Any
+            other name needs at least one dtype: `"scaled_fp9"` alone is a
+            typo and raises. Dtypes not given default to float32.
         compute_dtype: Dtype of activations and of non-matmul ops: one of
             `"float32"`, `"float16"`, `"bfloat16"`.
         matmul_dtype: Dtype of the inputs of forward matmuls: one of
@@ -123,12 +129,23 @@ master=float16 compute=float16 state=float32>
         self,
         name=None,
         *,
-        compute_dtype="float32",
-        matmul_dtype="float32",
-        grad_dtype="float32",
-        master_dtype="float32",
-        state_dtype="float32",
+        compute_dtype=_UNSET,
+        matmul_dtype=_UNSET,
+        grad_dtype=_UNSET,
+        master_dtype=_UNSET,
+        state_dtype=_UNSET,
     ):
+        given = {
+            "matmul_dtype": matmul_dtype,
+            "grad_dtype": grad_dtype,
+            "master_dtype": master_dtype,
+            "compute_dtype": compute_dtype,
+            "state_dtype": state_dtype,
+        }
+        defaults = _defaults_for(name, given)
+        matmul_dtype, grad_dtype, master_dtype, compute_dtype, state_dtype = (
+            defaults[k] if given[k] is _UNSET else given[k] for k in FIELDS
+        )
         fields = {
             "matmul_dtype": standardize_policy_dtype(
                 matmul_dtype, "matmul_dtype", MATMUL_DTYPES
@@ -241,6 +258,30 @@ def _default_name(fields):
         if named.named_policy_fields(name) == fields:
             return name
     return CUSTOM_NAME
+
+
+def _defaults_for(name, given):
+    """The dtypes of fields not given: a named policy's own (so
+    `ScaledDTypePolicy("scaled_fp8")` is that policy), float32 otherwise.
+    A name that is neither a named policy nor given any dtype is a typo
+    (`"scaled_fp9"`), not a float32 policy: it raises."""
+    from keras_scalify.policies import named
+
+    if isinstance(name, str) and name in named.NAMED_POLICIES:
+        return named.named_policy_fields(name)
+    if (
+        isinstance(name, str)
+        and name.startswith(NAME_PREFIX)
+        and name != CUSTOM_NAME
+        and all(v is _UNSET for v in given.values())
+    ):
+        valid = ", ".join(repr(n) for n in named.NAMED_POLICIES)
+        raise ValueError(
+            f"Invalid `name`: {name!r} is not a named scaled policy ({valid}) "
+            f"and no dtype was given. Pass the dtypes of a custom policy "
+            f"(e.g. `compute_dtype=`, `matmul_dtype=`), or use a named one."
+        )
+    return {k: "float32" for k in FIELDS}
 
 
 def _check_name(name, fields):

@@ -154,3 +154,76 @@ def test_bad_input_does_not_produce_silent_nan():
     for out in (kops.add(zero, zero), kops.divide(sc((2,)), 3.0), kops.sqrt(zero)):
         v = np.asarray(keras.ops.convert_to_numpy(ksc.to_array(out)))
         assert not np.any(np.isnan(v))
+
+
+# --------------------------------------------------------------------------
+# Issue 14, items 5-9: each bad input is refused early, naming the argument.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [3.0, -1.0, float("nan")])
+def test_scaled_tensor_refuses_a_bad_number_scale(scale):
+    with raises(ValueError, "scale"):
+        ksc.ScaledTensor(keras.ops.ones((2,)), scale)
+
+
+@pytest.mark.parametrize("data", [None, "a", [1.0, 2.0]])
+def test_scaled_tensor_refuses_non_tensor_data(data):
+    with raises(TypeError, "data"):
+        ksc.ScaledTensor(data, 1.0)
+
+
+def test_scaled_tensor_keeps_pytree_placeholders():
+    # What tree utilities build when they map over the fields.
+    assert ksc.ScaledTensor(None, None, None).data is None
+    assert ksc.ScaledTensor((2, 3), (), ()).data == (2, 3)
+
+
+@pytest.mark.parametrize("x", [None, "a"])
+def test_as_scaled_and_ops_name_the_bad_argument(x):
+    with raises(TypeError, "x"):
+        ksc.as_scaled(x)
+    with raises(TypeError, "x2"):
+        kops.add(sc(), x)
+    with raises(TypeError, "x"):
+        kops.exp(x)
+
+
+def test_as_scaled_refuses_a_scale_float32_cannot_hold():
+    with raises(ValueError, "scale"):
+        ksc.as_scaled(np.ones(2, np.float32), 2.0**-160)
+    with raises(ValueError, "grad_scale"):
+        ksc.as_scaled(np.ones(2, np.float32), 1.0, 2.0**200)
+
+
+def test_as_scaled_of_non_finite_and_subnormal_python_floats():
+    nan = ksc.as_scaled(float("nan"))  # NaN stays in the data: it propagates
+    assert np.isnan(float(keras.ops.convert_to_numpy(nan.data)))
+    assert float(keras.ops.convert_to_numpy(nan.scale)) == 1.0
+    subnormal = float(np.float32(1e-42))  # a float32 subnormal
+    tiny = ksc.as_scaled(subnormal)  # represented exactly, normal scale
+    data = float(keras.ops.convert_to_numpy(tiny.data))
+    scale = float(keras.ops.convert_to_numpy(tiny.scale))
+    assert scale == 2.0**-126 and data * scale == subnormal
+
+
+def test_policy_and_optimizer_arguments_are_checked():
+    with raises(ValueError, "name"):
+        ksc.ScaledDTypePolicy("scaled_fp9")
+    assert ksc.ScaledDTypePolicy("scaled_fp8").matmul_dtype == "float8_e4m3fn"
+    inner = keras.optimizers.Adam
+    with raises(TypeError, "stochastic_rounding"):
+        ksc.ScaledOptimizer(inner(), stochastic_rounding="no")
+    with raises(TypeError, "seed"):
+        ksc.ScaledOptimizer(inner(), seed="abc")
+    with raises(ValueError, "state_dtype"):
+        ksc.ScaledOptimizer(inner(), state_dtype="nonsense")
+
+
+def test_layers_check_and_convert_numpy_inputs():
+    with pytest.raises(ValueError, match="min_ndim=2"):
+        ksc.layers.ScaledDense(4)(np.float32(1.0))
+    mha = ksc.layers.ScaledMultiHeadAttention(num_heads=2, key_dim=4)
+    q = np.ones((1, 3, 8), np.float32)
+    out = mha(q, np.ones((1, 5, 8), np.float32))
+    assert tuple(ksc.to_array(out).shape) == (1, 3, 8)
