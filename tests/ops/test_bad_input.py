@@ -227,3 +227,14 @@ def test_layers_check_and_convert_numpy_inputs():
     q = np.ones((1, 3, 8), np.float32)
     out = mha(q, np.ones((1, 5, 8), np.float32))
     assert tuple(ksc.to_array(out).shape) == (1, 3, 8)
+
+
+def test_binary_ops_promote_mixed_data_dtypes():
+    """float16 and float32 ScaledTensors combine as Keras promotes them (on
+    TensorFlow too, which refuses mixed dtypes itself)."""
+    a = ksc.as_scaled(keras.ops.cast(np.full((2,), 1.5, np.float32), "float16"), 2.0)
+    b = ksc.as_scaled(np.full((2,), 3.0, np.float32), 4.0)
+    for op, expected in ((kops.add, 15.0), (kops.subtract, -9.0), (kops.multiply, 36.0)):
+        out = op(a, b)
+        assert out.dtype == "float32"
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(ksc.to_array(out)), expected)
