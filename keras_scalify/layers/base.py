@@ -154,17 +154,16 @@ class ScaledLayer(keras.layers.Layer):
             k: _numpy_to_tensor(v) if k in TENSOR_KWARGS else v
             for k, v in kwargs.items()
         }
+        args = tuple(_repack_scaled(a) for a in args)
         min_ndim = getattr(self, "_min_input_ndim", None)
         if min_ndim is not None and args:
             x = args[0].data if is_scaled_tensor(args[0]) else args[0]
-            ndim = len(getattr(x, "shape", ()) or ())
-            if ndim < min_ndim:
+            if hasattr(x, "shape") and len(x.shape) < min_ndim:
                 raise ValueError(
                     f"Input 0 of layer {self.name!r} is incompatible with the "
-                    f"layer: expected min_ndim={min_ndim}, found ndim={ndim} "
-                    f"(`inputs` of shape {tuple(getattr(x, 'shape', ()))})."
+                    f"layer: expected min_ndim={min_ndim}, found "
+                    f"ndim={len(x.shape)} (`inputs` of shape {tuple(x.shape)})."
                 )
-        args = tuple(_repack_scaled(a) for a in args)
         kwargs = {k: _repack_scaled(v) for k, v in kwargs.items()}
         return super().__call__(*args, **kwargs)
 
