@@ -36,6 +36,7 @@ from keras_scalify.convert_inplace import convert_in_place
 from keras_scalify.convert_inplace import walk_sublayers
 from keras_scalify.convert_inplace import warn_unconverted
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.core.scaled_tensor import map_scaled
 
 # Keras class name -> scaled class name in `keras_scalify.layers`. A layer
 # matches its class exactly, or a subclass that keeps the class's `call`,
@@ -177,20 +178,6 @@ def _unit_leaves(x):
     return [x]
 
 
-def _map_structure(fn, x):
-    """Applies `fn` to every ScaledTensor and tensor of `x` (ScaledTensors
-    whole), rebuilding lists, tuples, named tuples and dicts."""
-    if is_scaled(x):
-        return fn(x)
-    if isinstance(x, dict):
-        return {k: _map_structure(fn, v) for k, v in x.items()}
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*[_map_structure(fn, v) for v in x])
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map_structure(fn, v) for v in x)
-    return fn(x)
-
-
 class _Walker:
     """Rebuilds a Functional model, one node at a time.
 
@@ -226,7 +213,7 @@ class _Walker:
                 return value
             return x
 
-        return _map_structure(lookup, structure)
+        return map_scaled(lookup, structure)
 
     def run(self, model, new_inputs):
         units = _scaled_units(model)
@@ -510,12 +497,12 @@ class _ScalifyStep:
 
         new = self.new_layer(layer)
         if id(new) in self.converted and not isinstance(new, ScaledEmbedding):
-            args = tuple(_map_structure(self._wrap_as_scaled, a) for a in args)
+            args = tuple(map_scaled(self._wrap_as_scaled, a) for a in args)
         self._record(new)
         return new(*args, **kwargs)
 
     def finish(self, outputs):
-        return _map_structure(self._unwrap, outputs)
+        return map_scaled(self._unwrap, outputs)
 
 
 def scalify(model, dtype=None, exclude=()):

@@ -230,6 +230,20 @@ def _as_scale_tensor(name, s):
     return s
 
 
+def map_scaled(fn, x):
+    """`fn` applied to every ScaledTensor (whole) and every other leaf of
+    `x`, rebuilding lists, tuples, named tuples and dicts."""
+    if is_scaled(x):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: map_scaled(fn, v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*[map_scaled(fn, v) for v in x])
+    if isinstance(x, (list, tuple)):
+        return type(x)(map_scaled(fn, v) for v in x)
+    return fn(x)
+
+
 def is_scaled(x):
     """Whether `x` is a `ScaledTensor`."""
     return isinstance(x, ScaledTensor)

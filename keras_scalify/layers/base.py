@@ -5,6 +5,8 @@ import functools
 import keras
 import numpy as np
 
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.variable import ScaledVariable
 
 _DEFAULTS = {
@@ -157,7 +159,7 @@ class ScaledLayer(keras.layers.Layer):
         args = tuple(_repack_scaled(a) for a in args)
         min_ndim = getattr(self, "_min_input_ndim", None)
         if min_ndim is not None and args:
-            x = args[0].data if is_scaled_tensor(args[0]) else args[0]
+            x = args[0].data if is_scaled(args[0]) else args[0]
             if hasattr(x, "shape") and len(x.shape) < min_ndim:
                 raise ValueError(
                     f"Input 0 of layer {self.name!r} is incompatible with the "
@@ -262,15 +264,7 @@ _PLAIN_IO_CLASSES = {}
 def plain_shapes_of(spec):
     """A ScaledTensor spec as the KerasTensor of its data (structures
     walked)."""
-    from keras_scalify.core.scaled_tensor import is_scaled
-
-    if is_scaled(spec):
-        return spec.data
-    if isinstance(spec, dict):
-        return {k: plain_shapes_of(v) for k, v in spec.items()}
-    if isinstance(spec, (list, tuple)):
-        return type(spec)(plain_shapes_of(v) for v in spec)
-    return spec
+    return map_scaled(lambda x: x.data if is_scaled(x) else x, spec)
 
 
 def _plain_io_class(cls, name):
@@ -323,15 +317,7 @@ def _numpy_to_tensor(x):
     return keras.ops.convert_to_tensor(x)
 
 
-def is_scaled_tensor(x):
-    from keras_scalify.core.scaled_tensor import is_scaled
-
-    return is_scaled(x)
-
-
 def contains_scaled(x):
-    from keras_scalify.core.scaled_tensor import is_scaled
-
     if is_scaled(x):
         return True
     if isinstance(x, dict):
@@ -353,8 +339,6 @@ def _repack_scaled(x):
     touched.
     """
     from keras_scalify.core.scaled_tensor import ScaledTensor
-    from keras_scalify.core.scaled_tensor import is_scaled
-
     if is_scaled(x):
         return x
     if isinstance(x, dict):
@@ -406,8 +390,6 @@ def to_float32(x):
 def plain_shapes(structure):
     """`structure` with every ScaledTensor of shapes replaced by its data
     shape (a tuple); lists, tuples and dicts are walked."""
-    from keras_scalify.core.scaled_tensor import is_scaled
-
     if is_scaled(structure):
         return plain_shapes(structure.data)
     if isinstance(structure, dict):

@@ -6,6 +6,7 @@ from keras import ops
 
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import contains_scaled
 from keras_scalify.layers.base import scaled_spec
@@ -153,17 +154,14 @@ install_plain_layer_guard()
 
 
 def _plain_outputs(outputs):
-    """`outputs` with every symbolic ScaledTensor passed through `ToArray`
-    (lists, tuples and dicts walked)."""
-    if is_scaled(outputs):
-        if isinstance(outputs.data, keras.KerasTensor):
-            return ToArray()(outputs)
-        return outputs
-    if isinstance(outputs, dict):
-        return {k: _plain_outputs(v) for k, v in outputs.items()}
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(_plain_outputs(v) for v in outputs)
-    return outputs
+    """`outputs` with every symbolic ScaledTensor passed through `ToArray`."""
+
+    def plain(x):
+        if is_scaled(x) and isinstance(x.data, keras.KerasTensor):
+            return ToArray()(x)
+        return x
+
+    return map_scaled(plain, outputs)
 
 
 def _functional_cls():

@@ -28,6 +28,7 @@ from keras import ops
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.base import TENSOR_KWARGS
 from keras_scalify.ops._common import scale_grad
 from keras_scalify.ops.boundary import to_array
@@ -65,17 +66,7 @@ def _decode_outputs(outputs, state, dtype, anchor):
             x = delayed_rescale_grad(x, state)
         return to_array(x, dtype)
 
-    return _map_scaled(decode, outputs)
-
-
-def _map_scaled(fn, x):
-    if is_scaled(x):
-        return fn(x)
-    if isinstance(x, dict):
-        return {k: _map_scaled(fn, v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map_scaled(fn, v) for v in x)
-    return fn(x)
+    return map_scaled(decode, outputs)
 
 
 def _input_masks(layer, args, kwargs):

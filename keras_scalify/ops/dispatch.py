@@ -32,6 +32,7 @@ import inspect
 import types
 
 from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import map_scaled
 
 # The namespaces whose functions are wrapped: the public API modules and
 # the package namespace Keras's own layers call (`from keras.src import ops`).
@@ -88,15 +89,10 @@ def _has_scaled(args, kwargs):
 
 
 def _decode(x):
+    """`x` with every ScaledTensor decoded (`to_array`)."""
     from keras_scalify.ops.boundary import to_array
 
-    if type(x) is ScaledTensor:
-        return to_array(x)
-    if isinstance(x, dict):
-        return {k: _decode(v) for k, v in x.items()}
-    if type(x) in (list, tuple):
-        return type(x)(_decode(v) for v in x)
-    return x
+    return map_scaled(lambda v: to_array(v) if type(v) is ScaledTensor else v, x)
 
 
 def _shape(x):
