@@ -2,9 +2,10 @@
 
 `FORMATS[name]` gives `max`, `smallest_normal` and `smallest_subnormal` for
 `float8_e4m3fn`, `float8_e5m2`, `float16`, `bfloat16` and `float32`.
-`saturating_cast(x, dtype)` clips to `±max` before casting, on every
-backend: without the clip, e4m3fn overflow is NaN in JAX, TensorFlow and
-ml_dtypes but ±448 in torch, and e5m2/float16 overflow is ±inf.
+`saturating_cast(x, dtype)` clips finite values to `±max` before casting,
+on every backend: without the clip, e4m3fn overflow is NaN in JAX,
+TensorFlow and ml_dtypes but ±448 in torch, and e5m2/float16 overflow is
+±inf. Non-finite values are never clipped: a fault upstream stays a fault.
 """
 
 import collections
@@ -50,13 +51,27 @@ def get_format(dtype):
     return FORMATS[name]
 
 
-def saturating_cast(x, dtype):
-    """Cast `x` to `dtype`, clipping to the format's `±max` first.
+def _has_inf(fmt):
+    """Whether the format encodes ±inf (every one here but e4m3fn)."""
+    return fmt.name != "float8_e4m3fn"
 
-    NaN stays NaN; ±inf becomes ±max. The clip is done in float32 (or in
-    the input dtype when that is wider than float32). A cast to a format of
-    wider range (float16 -> float32, E4M3 -> E5M2) cannot overflow and is
-    a plain cast: no clip pass, ±inf stays ±inf.
+
+def _keep_nonfinite(x, clipped, fmt):
+    """`clipped` where `x` is finite; elsewhere `x` (±inf, NaN), or NaN in a
+    format without inf (torch would cast inf to e4m3fn as ±448)."""
+    fill = x if _has_inf(fmt) else x - x  # inf - inf = NaN
+    return ops.where(ops.isfinite(x), clipped, fill)
+
+
+def saturating_cast(x, dtype):
+    """Cast `x` to `dtype`, clipping finite values to the format's `±max`.
+
+    Only finite overflow saturates: NaN stays NaN, ±inf stays ±inf (NaN in
+    e4m3fn, which has no inf), so that a fault upstream reaches the
+    optimizer's skip check. The clip is done in float32 (or in the input
+    dtype when that is wider than float32). A cast to a format of wider
+    range (float16 -> float32, E4M3 -> E5M2) cannot overflow and is a plain
+    cast: no clip pass.
     """
     fmt = get_format(dtype)
     x = ops.convert_to_tensor(x)
@@ -71,7 +86,7 @@ def saturating_cast(x, dtype):
     if src not in ("float32", "float64"):
         # Every narrower format's max fits in float32: clip there.
         x = ops.cast(x, "float32")
-    x = ops.clip(x, -fmt.max, fmt.max)
+    x = _keep_nonfinite(x, ops.clip(x, -fmt.max, fmt.max), fmt)
     return ops.cast(x, fmt.name)
 
 
@@ -84,11 +99,11 @@ def saturating_round(x, dtype):
     """The float32 values of `saturating_cast(x, dtype)`, bit for bit, in
     float32 arithmetic (no FP8 tensor is formed).
 
-    Clip to `±max`, then round |x| to nearest-even on the format's grid:
+    Clip finite values to `±max`, then round |x| to nearest-even on the format's grid:
     normals by rounding the float32 bit pattern to `m` mantissa bits
     (add `2^(22-m) - 1` plus the kept lowest bit, clear the low bits),
     subnormals by `round(|x| / q) * q` with `q` the subnormal spacing; the
-    sign is copied back and NaN kept. XLA on CPU turns these into a few
+    sign is copied back, non-finite values kept as by `saturating_cast`. XLA on CPU turns these into a few
     vector instructions, where its FP8 conversions take several times
     longer. `dtype`: float8_e4m3fn, float8_e5m2 or float16.
     """
@@ -102,7 +117,8 @@ def saturating_round(x, dtype):
     q = fmt.smallest_subnormal  # the subnormal spacing
     m = int(np.log2(fmt.smallest_normal / q))  # mantissa bits
     fmax = fmt.max
-    x = ops.clip(ops.cast(x, "float32"), -fmax, fmax)
+    x0 = ops.cast(x, "float32")
+    x = ops.clip(x0, -fmax, fmax)
     a = ops.abs(x)
     shift = 23 - m
     bits = ops.view(a, "int32")
@@ -111,5 +127,5 @@ def saturating_round(x, dtype):
     normal = ops.view(ops.bitwise_and(bits, -(1 << shift)), "float32")
     subnormal = ops.round(a * (1.0 / q)) * q
     r = ops.where(a < fmt.smallest_normal, subnormal, normal)
-    r = ops.where(ops.isnan(a), a, r)
-    return ops.where(ops.signbit(x), -r, r)
+    r = ops.where(ops.signbit(x), -r, r)
+    return _keep_nonfinite(x0, r, fmt)

@@ -14,7 +14,7 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
-from keras_scalify.layers.dense import scaled_input
+from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.einsum_dense import ScaledEinsumDense
 from keras_scalify.layers.einsum_dense import check_unsupported
 from keras_scalify.layers.einsum_dense import plain_policy
@@ -469,9 +469,9 @@ class ScaledMultiHeadAttention(ScaledLayer):
         training=None,
         use_causal_mask=False,
     ):
-        q = scaled_input(self, query)
-        v = scaled_input(self, value)
-        k = v if key is None or key is value else scaled_input(self, key)
+        q = cast_to_compute(self, query)
+        v = cast_to_compute(self, value)
+        k = v if key is None or key is value else cast_to_compute(self, key)
         self._check_inputs(q, v, k)
         mask = self._compute_attention_mask(
             q.data,

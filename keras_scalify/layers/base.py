@@ -365,14 +365,32 @@ def _flattened_scaled(x):
     )
 
 
-def cast_to_compute(layer, inputs):
-    """`inputs` as a ScaledTensor (a plain tensor: scale 1) in `layer`'s
-    compute dtype: what Keras's input autocasting does for plain layers,
-    done on the data only (the scale stays float32)."""
-    from keras_scalify import ops as sops
-    from keras_scalify.ops.boundary import as_scaled
+def cast_to_compute(layer, inputs, grad_scale=None):
+    """`inputs` as a ScaledTensor in `layer`'s compute dtype: what Keras's
+    input autocasting does for plain layers, done on the data only (the
+    scale stays float32).
 
-    return sops.cast(as_scaled(inputs), layer.compute_dtype)
+    A ScaledTensor keeps its scale. A plain tensor gets scale 1 when its
+    dtype is the compute dtype or narrower; cast to a narrower compute
+    dtype (float32 inputs of a float16 layer) it is encoded first with the
+    pow2 of its RMS in the scale (`ops.boundary.encode`), so a value beyond
+    the compute format (1e30, 2**-30) is represented, not clipped or
+    flushed, and ±inf/NaN propagate. `grad_scale` (plain inputs only): the
+    pow2 gradient scale given to them (default 1).
+    """
+    from keras_scalify import ops as sops
+    from keras_scalify.core.formats import FORMATS
+    from keras_scalify.ops.boundary import as_scaled
+    from keras_scalify.ops.boundary import encode
+
+    dtype = keras.backend.standardize_dtype(layer.compute_dtype)
+    if is_scaled(inputs):
+        return inputs if inputs.dtype == dtype else sops.cast(inputs, dtype)
+    x = as_scaled(inputs, grad_scale=grad_scale)
+    wider = float("inf")
+    if FORMATS[dtype].max < getattr(FORMATS.get(x.dtype), "max", wider):
+        x = encode(inputs, x.grad_scale)
+    return x if x.dtype == dtype else sops.cast(x, dtype)
 
 
 def to_float32(x):

@@ -8,6 +8,7 @@ from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.base import contains_scaled
 from keras_scalify.layers.base import scaled_spec
 from keras_scalify.ops.boundary import as_scaled
@@ -19,29 +20,38 @@ class AsScaled(ScaledLayer):
     """Plain tensor → ScaledTensor representing the same values.
 
     Args:
-        scale: a power of two; the data is `inputs / scale` (exact), cast
-            to the layer's compute dtype. Default 1.
+        scale: `None` (default): measured, as scaled layers treat plain
+            inputs (`layers.base.cast_to_compute`): scale 1, or the pow2 of
+            the inputs' RMS when the compute dtype is narrower than theirs,
+            so values beyond it (1e30 into float16) are represented. A
+            power of two: a static scale, the data is `inputs / scale`
+            (exact) cast to the compute dtype (overflow gives ±inf).
         grad_scale: the pow2 gradient scale of the output (default 1).
     """
 
-    def __init__(self, scale=1.0, grad_scale=1.0, **kwargs):
+    def __init__(self, scale=None, grad_scale=1.0, **kwargs):
         super().__init__(**kwargs)
         for name, v in (("scale", scale), ("grad_scale", grad_scale)):
+            if v is None and name == "scale":
+                continue
             v = float(v)
             if not (np.isfinite(v) and v > 0 and pow2.np_pow2_round_down(v) == v):
                 raise ValueError(
                     f"`{name}` must be a positive finite power of two, got {v}."
                 )
-        self.scale = float(scale)
+        self.scale = None if scale is None else float(scale)
         self.grad_scale = float(grad_scale)
 
     def call(self, inputs):
         if is_scaled(inputs):
             return inputs
+        gs = np.float32(self.grad_scale)
+        if self.scale is None:
+            return cast_to_compute(self, inputs, gs)
         x = ops.convert_to_tensor(inputs)
         x = ops.cast(x, "float32") * np.float32(1.0 / self.scale)
         x = ops.cast(x, self.compute_dtype)
-        return as_scaled(x, np.float32(self.scale), np.float32(self.grad_scale))
+        return as_scaled(x, np.float32(self.scale), gs)
 
     def compute_output_spec(self, inputs):
 

@@ -12,13 +12,13 @@ from keras_scalify.layers.activation import keras_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
+from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.base import check_keras_layer
 from keras_scalify.layers.base import copy_built_weights
 from keras_scalify.layers.base import keras_base_kwargs
 from keras_scalify.layers.base import reject_options
 from keras_scalify.layers.base import scaled_base_kwargs
 from keras_scalify.layers.base import to_float32
-from keras_scalify.ops.boundary import as_scaled
 
 
 def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False):
@@ -63,14 +63,6 @@ def bias_and_activation(layer, y):
     if layer._act is not None:
         y = layer._act(y)
     return sops.cast(y, dtype)
-
-
-def scaled_input(layer, inputs, name="inputs"):
-    """Inputs as a ScaledTensor in the compute dtype (plain: scale 1)."""
-    x = as_scaled(inputs)
-    if x.dtype != keras.src.backend.standardize_dtype(layer.compute_dtype):
-        x = sops.cast(x, layer.compute_dtype)
-    return x
 
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
@@ -130,7 +122,7 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
 
 
     def call(self, inputs):
-        x = scaled_input(self, inputs)
+        x = cast_to_compute(self, inputs)
         if x.shape[-1] is not None and x.shape[-1] != self._kernel.shape[0]:
             raise ValueError(
                 f"`inputs` of {self.name} must have last dimension "

@@ -12,7 +12,7 @@ from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
 from keras_scalify.layers.dense import bias_and_activation
 from keras_scalify.layers.dense import policy_matmul
-from keras_scalify.layers.dense import scaled_input
+from keras_scalify.layers.base import cast_to_compute
 
 # Keras EinsumDense arguments that scaled layers accept only at their
 # default (so that Keras configs load), with the reason.
@@ -208,7 +208,7 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
                 )
 
     def call(self, inputs, training=None):
-        x = scaled_input(self, inputs)
+        x = cast_to_compute(self, inputs)
         self._check_input(tuple(x.shape))
         y = policy_matmul(self, self._call_equation, x, self._kernel.read(), epilogue=True)
         return bias_and_activation(self, y)

@@ -13,7 +13,7 @@ from keras_scalify.layers.base import keras_base_kwargs
 from keras_scalify.layers.base import reject_options
 from keras_scalify.layers.base import scaled_base_kwargs
 from keras_scalify.layers.dense import policy_matmul
-from keras_scalify.layers.dense import scaled_input
+from keras_scalify.layers.base import cast_to_compute
 
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
@@ -56,7 +56,7 @@ class ScaledEmbedding(ScaledLayer):
 
     def call(self, inputs, reverse=False):
         if reverse:
-            x = scaled_input(self, inputs)
+            x = cast_to_compute(self, inputs)
             if x.shape[-1] is not None and x.shape[-1] != self.output_dim:
                 raise ValueError(
                     f"`inputs` of {self.name} (reverse=True) must have last "
@@ -195,7 +195,7 @@ class ScaledReversibleEmbedding(ScaledEmbedding):
         if not reverse or self.tie_weights:
             y = super().call(inputs, reverse=reverse)
         else:
-            x = scaled_input(self, inputs)
+            x = cast_to_compute(self, inputs)
             y = policy_matmul(self, None, x, self._reverse_embeddings.read())
         if reverse and self.logit_soft_cap is not None:
             cap = float(self.logit_soft_cap)

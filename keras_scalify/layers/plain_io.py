@@ -7,7 +7,7 @@ runs `keras.ops` on their outputs, which know nothing of ScaledTensors, so
 such a layer is switched to plain input/output (`ScaledLayer.enable_plain_io`):
 
 - each floating input is encoded exactly (scale 1) then a dynamic
-  rescale by the pow2 of its RMS (`dynamic_rescale_l2`), so the data the
+  rescale by the pow2 of its RMS (`ops.boundary.encode`), so the data the
   layer computes on (and its FP8 GEMM operands) is unit-scaled whatever the
   magnitude the plain code hands it (0, inf and NaN pass through unscaled);
 - the output's grad scale is re-anchored by a delayed rescale
@@ -26,31 +26,18 @@ import keras
 from keras import ops
 
 from keras_scalify.core import pow2
-from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.base import TENSOR_KWARGS
-from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops.boundary import encode
 from keras_scalify.ops.boundary import to_array
 from keras_scalify.ops.rescaling import delayed_rescale_grad
-from keras_scalify.ops.rescaling import dynamic_rescale_l2
-
 
 
 def _is_float_tensor(x):
     if x is None or is_scaled(x) or not hasattr(x, "dtype"):
         return False
     return "float" in keras.backend.standardize_dtype(x.dtype)
-
-
-def _encode(x, grad_scale):
-    """A plain float tensor as a unit-scaled ScaledTensor (exact); the
-    cotangent of `x` comes back in true units."""
-    x = ops.convert_to_tensor(x)
-    one = ops.ones((), "float32")
-    return dynamic_rescale_l2(
-        ScaledTensor(scale_grad(x, grad_scale), one, grad_scale)
-    )
 
 
 def _decode_outputs(outputs, state, dtype, anchor):
@@ -113,13 +100,13 @@ def plain_io_call(layer, call, args, kwargs):
     masks = _input_masks(layer, args, kwargs)
     encoded = []
 
-    def encode(x):
+    def encode_input(x):
         encoded.append(True)
-        return _encode(x, g_in)
+        return encode(x, g_in)
 
-    args = tuple(encode(a) if _is_float_tensor(a) else a for a in args)
+    args = tuple(encode_input(a) if _is_float_tensor(a) else a for a in args)
     kwargs = {
-        k: encode(v) if k in TENSOR_KWARGS and _is_float_tensor(v) else v
+        k: encode_input(v) if k in TENSOR_KWARGS and _is_float_tensor(v) else v
         for k, v in kwargs.items()
     }
     # Only a call with floating inputs feeds its output cotangent to GEMMs

@@ -13,6 +13,8 @@ from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import rescale
 from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops.rescaling import overflow_safe_rms
+from keras_scalify.ops.rescaling import rescale_by_statistic
 
 
 def _check_scale_value(name, s, allow_zero):
@@ -111,6 +113,22 @@ def as_scaled(x, scale=None, grad_scale=None):
     gs = ops.stop_gradient(out.grad_scale)
     # d loss / d x = s * gs * cotangent(data)
     return ScaledTensor(scale_grad(out.data, s * gs), out.scale, out.grad_scale)
+
+
+def encode(x, grad_scale=None):
+    """A plain float tensor as a ScaledTensor with the pow2 of its RMS in
+    the scale: the data has RMS in [1, 2), exactly. The RMS is measured
+    without overflow (`overflow_safe_rms`), so a finite value beyond the
+    data's format (1e30 on its way to float16) is carried by the scale;
+    an inf or NaN leaves the scale at 1 and propagates. `grad_scale`: a
+    pow2 float32 scalar (default 1), not validated (it may be a traced
+    state); the cotangent of `x` comes back in true units.
+    """
+    x = ops.convert_to_tensor(x)
+    one = ops.ones((), "float32")
+    gs = one if grad_scale is None else grad_scale
+    x = ScaledTensor(scale_grad(x, gs), one, gs)
+    return rescale_by_statistic(x, overflow_safe_rms(x.data))
 
 
 def to_array(x, dtype=None):

@@ -72,8 +72,10 @@ def _normalize(x, axis, epsilon, center):
     # (X - E X)/sqrt(Var X + eps) == (a - E a)/sqrt(Var a + eps/sa²): exact,
     # so the model is unchanged (the paper's variant drops the 1/sa²).
     # (eps/sa)/sa, not eps/(sa·sa): sa² underflows float32 below 2^-63.
+    # Kept >= the smallest float32 normal: under a scale beyond ~2^60 it
+    # would underflow to 0, and a constant row (var 0) would give 0·inf.
     inv = 1.0 / sa
-    eps_d = (epsilon * inv) * inv
+    eps_d = ops.maximum((epsilon * inv) * inv, 2.0**-126)
     # Same operation order as keras.ops: pow2 scalings then commute exactly.
     if center:
         mean, var = ops.moments(a, axes=_axes(axis), keepdims=True)

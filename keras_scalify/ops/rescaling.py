@@ -48,14 +48,28 @@ def _valid_pow2(stat):
     return ops.where(ok, pow2.pow2_round_down(stat), ops.ones_like(stat))
 
 
-def dynamic_rescale(x, statistic="l2"):
-    """Rule: `k = P(stat(d))`; `s = sa·k`, `d = a/k`; `g` unchanged. Exact."""
-    x = promote(x, None, "x")
+def rescale_by_statistic(x, stat):
+    """Rule: `k = P(stat)`; `s = sa·k`, `d = a/k`; `g` unchanged. Exact.
+    A non-finite or zero `stat` leaves `x` as is (k = 1)."""
     sa, ga = scalars(x)
-    k = stop(_valid_pow2(data_statistic(x.data, statistic)))
+    k = stop(_valid_pow2(stat))
     one = ops.ones((), "float32")
     data = rescale(x.data, one / k, one)
     return ScaledTensor(data, sa * k, ga)
+
+
+def overflow_safe_rms(data):
+    """The RMS of `data` in float32, measured on `data / P(max|data|)` so
+    that the squares cannot overflow (1e30 has an RMS); two reductions."""
+    d = ops.cast(data, "float32")
+    k = stop(_valid_pow2(ops.max(ops.abs(d))))
+    return ops.sqrt(ops.mean(ops.square(d / k))) * k
+
+
+def dynamic_rescale(x, statistic="l2"):
+    """Rule: `k = P(stat(d))`; `s = sa·k`, `d = a/k`; `g` unchanged. Exact."""
+    x = promote(x, None, "x")
+    return rescale_by_statistic(x, data_statistic(x.data, statistic))
 
 
 def dynamic_rescale_l1(x):

@@ -4,6 +4,7 @@ from keras import ops
 from keras.src.backend import standardize_dtype
 
 from keras_scalify.core.formats import FORMATS
+from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.formats import saturating_cast
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
@@ -63,9 +64,12 @@ def take(x, indices, axis=None):
 
 
 def cast(x, dtype):
-    """Rule: scale unchanged; `d = cast(a)`, saturating for every float format.
+    """Rule: scale unchanged; `d = cast(a)`.
 
-    Casting a ScaledTensor to a non-float dtype raises `TypeError` (use
+    Only a cast to FP8 (a GEMM operand) saturates finite overflow; to any
+    other format overflow is ±inf, a fault the optimizer skips (a finite
+    value beyond the format belongs in the scale: `dynamic_rescale_*`).
+    NaN and ±inf always propagate. Casting a ScaledTensor to a non-float dtype raises `TypeError` (use
     `to_array` first).
     """
     check_input("x", x)
@@ -80,6 +84,8 @@ def cast(x, dtype):
         )
     if name == x.dtype:
         return x
+    if name not in FP8_DTYPES:
+        return _same_scale(x, ops.cast(x.data, name))
     return _same_scale(x, _saturating_cast_st(x.data, name))
 
 

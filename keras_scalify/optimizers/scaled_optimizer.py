@@ -242,7 +242,17 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         return self._skipped_steps
 
     def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
+        """The inner optimizer's `scale_loss`, times a factor that is 1 when
+        the loss is finite and NaN otherwise: its gradients are then NaN
+        and the step is skipped. A finite gradient of an infinite loss
+        (mse against 1e30) would otherwise be applied. Keras's trainers
+        call it on every backend; a custom loop must call it itself."""
+        loss = self.inner_optimizer.scale_loss(loss)
+        if loss is None:
+            return loss
+        finite = ops.all(ops.isfinite(ops.stop_gradient(loss)))
+        one = ops.ones((), loss.dtype)
+        return loss * ops.where(finite, one, one * float("nan"))
 
     # --- apply -----------------------------------------------------------------
 

@@ -8,6 +8,7 @@ the true values.
 
 import keras
 import numpy as np
+import pytest
 import keras_scalify as ksc
 from tests.conftest import data_of
 from tests.conftest import rms
@@ -98,3 +99,28 @@ def test_norm_preserving_f16_chain_is_accurate_where_plain_f16_is_not(run, rng):
     err_plain = rel_err(plain[-1], ref[-1])
     assert err_scaled < 1e-2
     assert err_plain > 10 * err_scaled
+
+
+# --- plain inputs at the boundary (issue 14, item 1) -------------------------
+@pytest.mark.parametrize("policy", ["scaled_fp16", "scaled_fp8"])
+@pytest.mark.parametrize("magnitude", [1e30, 2.0**20, 2.0**-30])
+def test_plain_inputs_beyond_the_compute_format_are_carried_by_the_scale(rng, policy, magnitude):
+    """Plain float32 inputs of a float16/FP8 layer (and of `AsScaled()`)
+    are encoded with the pow2 of their RMS: 1e30 is neither clipped to
+    65504 nor inf, 2**-30 is not flushed to 0."""
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    layer = ksc.layers.ScaledDense(8, use_bias=False, dtype=policy)
+    unit = to_np(layer(x))
+    tol = 1e-2 if policy == "scaled_fp16" else 0.15
+    for first in (lambda v: v, ksc.layers.AsScaled(dtype=policy)):
+        got = to_np(layer(first(x * np.float32(magnitude))))
+        assert np.all(np.isfinite(got))
+        assert rms(got / magnitude - unit) <= tol * rms(unit)
+
+
+def test_cast_saturates_only_to_fp8_and_keeps_faults():
+    x = ksc.as_scaled(np.asarray([1e6, -3.0, np.inf, np.nan], np.float32))
+    f16 = data_of(ksc.ops.cast(x, "float16"))
+    assert f16[0] == np.inf and f16[1] == -3.0 and f16[2] == np.inf and np.isnan(f16[3])
+    e4 = data_of(ksc.ops.cast(x, "float8_e4m3fn"))
+    assert e4[0] == 448.0 and e4[1] == -3.0 and np.isnan(e4[2]) and np.isnan(e4[3])

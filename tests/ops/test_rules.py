@@ -378,11 +378,11 @@ RULES = [
     ("cast_f16_to_f32", lambda x: kops.cast(x, "float32"), [st(_I, 2.0**-20, "float16")], 2.0**-20, _I, "float32"),
     ("cast_f32_to_bf16", lambda x: kops.cast(x, "bfloat16"), [st(_I, 4)], 4.0, _I, "bfloat16"),
     (
-        "cast_f32_to_f16_saturates",
+        "cast_f32_to_f16_overflows_to_inf",
         lambda x: kops.cast(x, "float16"),
         [st([1e6, -1e6, 1.0], 2)],
         2.0,
-        [65504.0, -65504.0, 1.0],
+        [np.inf, -np.inf, 1.0],
         "float16",
     ),
     # transcendental functions: scale 1 (tanh, erf: min(s, 1)).
@@ -578,7 +578,7 @@ def test_log_f16_with_scale_2p19_gives_minus_inf_and_13_17(run):
     np.testing.assert_allclose(d[1], 13.17, atol=5e-3)
 
 
-@pytest.mark.parametrize("value, expected", [(1e4, 448.0), (-1e4, -448.0), (np.inf, 448.0), (300.0, 288.0)])
+@pytest.mark.parametrize("value, expected", [(1e4, 448.0), (-1e4, -448.0), (300.0, 288.0)])
 def test_cast_to_float8_e4m3fn_saturates(run, value, expected):
     out = run(lambda x: kops.cast(x, "float8_e4m3fn"), st([value, 1.0], 4))
     assert out.dtype == "float8_e4m3fn"

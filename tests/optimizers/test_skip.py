@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import pytest
 
 import keras_scalify as ksc
 from tests.optimizers.helpers import data
@@ -89,3 +90,40 @@ def test_gradient_whose_float32_norm_overflows_is_skipped():
     opt.apply(grads, opt._trainable_variables)
     _assert_skipped(model, opt, before)
     assert float(keras.ops.convert_to_numpy(kernel.grad_scale)) == gs * 2.0**12
+
+
+# --- faults in the data (issue 14, items 1-2) --------------------------------
+@pytest.mark.parametrize("policy", ["scaled_fp16", "scaled_fp8"])
+def test_inf_in_the_inputs_is_skipped_not_saturated(policy):
+    """The input's cast to the compute dtype keeps an inf (it used to clip
+    it to 65504, and the LayerNorm hid the clipped row)."""
+    model, opt, x, y = _trained_model(policy)
+    before = _state(model, opt)
+    bad = x[:8].copy()
+    bad[0, 0] = np.inf
+    model.train_on_batch(bad, y[:8])
+    _assert_skipped(model, opt, before)
+    model.train_on_batch(x[:8], y[:8])
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 5
+
+
+@pytest.mark.parametrize("policy", ["scaled_float32", "scaled_fp16", "scaled_fp8"])
+def test_non_finite_loss_is_skipped_even_with_finite_gradients(policy):
+    """mse against 1e30: the loss is inf but its gradient is finite (and
+    E5M2 saturates it); `scale_loss` makes the gradients NaN."""
+    model, opt, x, y = _trained_model(policy)
+    before = _state(model, opt)
+    bad = y[:8].copy()
+    bad[0, 0] = 1e30
+    loss = model.train_on_batch(x[:8], bad)
+    assert not np.isfinite(loss)
+    _assert_skipped(model, opt, before)
+
+
+def test_scale_loss_is_the_loss_when_finite_and_poisons_it_otherwise():
+    opt = ksc.ScaledOptimizer(keras.optimizers.SGD(0.1))
+    finite = keras.ops.convert_to_numpy(opt.scale_loss(keras.ops.convert_to_tensor(np.float32(2.5))))
+    assert finite == np.float32(2.5)
+    for bad in (np.inf, -np.inf, np.nan):
+        got = keras.ops.convert_to_numpy(opt.scale_loss(keras.ops.convert_to_tensor(np.float32(bad))))
+        assert np.isnan(got)
