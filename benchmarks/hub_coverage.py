@@ -4,7 +4,12 @@ For each tiny keras-hub model of `tests/hub_models.py` (random weights,
 nothing downloaded) this prints, under `scaled_fp8`: the layers converted
 (by class), the share of the kernel GEMM FLOPs of one forward call that run
 in scaled layers and on an FP8 route (`keras_scalify.debug.gemm_coverage`),
-whether the represented parameter count is unchanged, and for comparison
+how far scales propagate inside the blocks (`keras_scalify.debug.
+propagation`: of the calls of converted layers, how many received a
+ScaledTensor handed on by the layer or op before them rather than a plain
+tensor to encode; `keras.ops` calls on ScaledTensors run by a scale rule
+or decoded), whether the represented parameter count is unchanged, and for
+comparison
 the share Keras's own `model.quantize("float8")` reaches (Dense and
 EinsumDense only).
 
@@ -62,6 +67,8 @@ def row(name):
         if isinstance(layer, ksc.layers.ScaledLayer)
     )
     plain_gemms = sorted({r[1] for r in coverage["layers"] if not r[3]})
+    prop = ksc.debug.propagation(model, x)
+    calls = prop["scaled_inputs"] + prop["plain_inputs"]
     try:
         keras_fp8 = f"{keras_float8_fraction(name):.1%}"
     except Exception as e:  # noqa: BLE001 - reported in the table
@@ -73,6 +80,8 @@ def row(name):
         ),
         "scaled": f"{coverage['fraction']:.1%}",
         "fp8": f"{coverage['fp8'] / coverage['total']:.1%}",
+        "handed_on": f"{prop['scaled_inputs']}/{calls}",
+        "ops": f"{sum(prop['rule'].values())} / {sum(prop['fallback'].values())}",
         "params": "same" if ksc.debug.count_params(model) == n_params else "CHANGED",
         "plain": ", ".join(plain_gemms) or "–",
         "keras": keras_fp8,
@@ -90,15 +99,17 @@ def main(argv=None):
     print()
     print(
         "| model | converted layers | GEMM FLOPs in scaled layers | in FP8 "
-        "| params | GEMMs left plain | Keras `quantize(\"float8\")` |"
+        "| inputs handed on scaled | ops by rule / decoded | params "
+        "| GEMMs left plain | Keras `quantize(\"float8\")` |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.models:
         r = row(name)
         rows.append(r)
         print(
             f"| {r['model']} | {r['converted']} | {r['scaled']} | {r['fp8']} "
+            f"| {r['handed_on']} | {r['ops']} "
             f"| {r['params']} | {r['plain']} | {r['keras']} |",
             flush=True,
         )

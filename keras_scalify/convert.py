@@ -438,6 +438,9 @@ class _ScalifyStep:
         convert_in_place(root, self.choose)
         if self._excluded(root):
             return
+        from keras_scalify.layers.regions import install_regions
+
+        install_regions(root)
         _plain_policy_to_float32(root)
 
         def visit(parent, child):
@@ -640,6 +643,9 @@ class _UnscalifyStep:
         return None
 
     def inside(self, root):
+        from keras_scalify.layers.regions import uninstall_regions
+
+        uninstall_regions(root)
         convert_in_place(root, self.choose)
         for layer in all_layers(root):
             _restore_policy(layer)

@@ -14,6 +14,8 @@
   that run in scaled layers (and on an FP8 route), per layer.
 """
 
+import contextlib
+
 import numpy as np
 from keras import ops
 
@@ -162,6 +164,63 @@ def _layer_flops(layer, args, kwargs, output):
     return None
 
 
+@contextlib.contextmanager
+def _watching_calls(model, record):
+    """While open, every layer inside `model` reports each call to
+    `record(layer, args, kwargs, outputs)`. The `call` each layer had (its
+    class's, or an instance wrapper such as a scaled region's) is put back
+    afterwards."""
+    saved = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        own = layer.__dict__.get("call")
+        original = layer.call
+
+        def call(*args, _layer=layer, _call=original, **kwargs):
+            out = _call(*args, **kwargs)
+            record(_layer, args, kwargs, out)
+            return out
+
+        object.__setattr__(layer, "call", call)
+        saved.append((layer, own))
+    try:
+        yield
+    finally:
+        for layer, own in saved:
+            object.__delattr__(layer, "call")
+            if own is not None:
+                object.__setattr__(layer, "call", own)
+
+
+def propagation(model, inputs):
+    """How far scales propagate in one forward call of `model` on `inputs`.
+
+    Returns a dict: `"rule"` and `"fallback"`, the `keras.ops` calls that
+    met a ScaledTensor inside custom layers, by name (a fallback computed
+    on decoded values, so no scale went through it); `"scaled_inputs"` and
+    `"plain_inputs"`, how many calls of scaled layers converted inside
+    custom layers received their first input as a ScaledTensor (handed on
+    by the previous scaled layer or op) or as a plain tensor (encoded
+    there, with a statistic measured).
+    """
+    from keras_scalify.core.scaled_tensor import is_scaled
+    from keras_scalify.ops.dispatch import record_dispatch
+
+    inputs_seen = {"scaled_inputs": 0, "plain_inputs": 0}
+
+    def record(layer, args, kwargs, out):
+        if not getattr(layer, "plain_io", False):
+            return
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if is_scaled(first):
+            inputs_seen["scaled_inputs"] += 1
+        elif first is not None and "float" in str(getattr(first, "dtype", "")):
+            inputs_seen["plain_inputs"] += 1
+
+    with _watching_calls(model, record), record_dispatch() as counts:
+        model(inputs)
+    return {**counts, **inputs_seen}
+
+
 def gemm_coverage(model, inputs):
     """Where the GEMM FLOPs of one forward call of `model` on `inputs` run.
 
@@ -176,24 +235,14 @@ def gemm_coverage(model, inputs):
     from keras_scalify.layers.base import ScaledLayer
 
     rows = []
-    patched = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        original = layer.call
 
-        def call(*args, _layer=layer, _call=original, **kwargs):
-            out = _call(*args, **kwargs)
-            flops = _layer_flops(_layer, args, kwargs, out)
-            if flops is not None:
-                rows.append((_layer, flops))
-            return out
+    def record(layer, args, kwargs, out):
+        flops = _layer_flops(layer, args, kwargs, out)
+        if flops is not None:
+            rows.append((layer, flops))
 
-        object.__setattr__(layer, "call", call)
-        patched.append(layer)
-    try:
+    with _watching_calls(model, record):
         model(inputs)
-    finally:
-        for layer in patched:
-            object.__delattr__(layer, "call")
     table, scaled, fp8, total = [], 0, 0, 0
     for layer, flops in rows:
         is_scaled = isinstance(layer, ScaledLayer)

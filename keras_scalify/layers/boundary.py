@@ -11,6 +11,7 @@ from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.base import contains_scaled
 from keras_scalify.layers.base import scaled_spec
+from keras_scalify.layers.regions import in_region
 from keras_scalify.ops.boundary import as_scaled
 from keras_scalify.ops.boundary import to_array
 
@@ -121,6 +122,8 @@ def plain_layer_error(layer):
 def _is_guarded(layer):
     if isinstance(layer, (ScaledLayer, keras.Model)):
         return False
+    if "_ksc_plain_call" in layer.__dict__ and in_region():
+        return False  # inside a converted custom layer: decoded (regions.py)
     cls = type(layer)
     if not cls.__module__.startswith("keras."):
         return False

@@ -32,6 +32,7 @@ from keras_scalify.layers.base import TENSOR_KWARGS
 from keras_scalify.ops.boundary import encode
 from keras_scalify.ops.boundary import to_array
 from keras_scalify.ops.rescaling import delayed_rescale_grad
+from keras_scalify.layers.regions import in_region
 
 
 def _is_float_tensor(x):
@@ -40,20 +41,25 @@ def _is_float_tensor(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
 
 
+def _anchor(outputs, state):
+    """The first ScaledTensor of `outputs` re-anchored by `state`."""
+    done = []
+
+    def anchor(x):
+        if done or not is_scaled(x):
+            return x
+        done.append(True)
+        return delayed_rescale_grad(x, state)
+
+    return map_scaled(anchor, outputs)
+
+
 def _decode_outputs(outputs, state, dtype, anchor):
     """With `anchor`, the first ScaledTensor of `outputs` re-anchored by
     `state`; then every ScaledTensor decoded into `dtype`."""
-    anchored = [] if anchor else [False]
-
-    def decode(x):
-        if not is_scaled(x):
-            return x
-        if not anchored:
-            anchored.append(True)
-            x = delayed_rescale_grad(x, state)
-        return to_array(x, dtype)
-
-    return map_scaled(decode, outputs)
+    if anchor:
+        outputs = _anchor(outputs, state)
+    return map_scaled(lambda x: to_array(x, dtype) if is_scaled(x) else x, outputs)
 
 
 def _input_masks(layer, args, kwargs):
@@ -112,8 +118,13 @@ def plain_io_call(layer, call, args, kwargs):
     # Only a call with floating inputs feeds its output cotangent to GEMMs
     # (an embedding lookup sums it into the table in float32): one anchor,
     # so a tied embedding (lookup + reverse) updates its state once.
+    fed = bool(encoded) or any(is_scaled(a) for a in args)
+    fed = fed or any(is_scaled(v) for k, v in kwargs.items() if k in TENSOR_KWARGS)
     outputs = call(*args, **kwargs)
-    outputs = _decode_outputs(outputs, state, dtype, anchor=bool(encoded))
+    if in_region():
+        # Inside a custom layer that propagates scales: re-anchored only.
+        return _anchor(outputs, state) if fed else outputs
+    outputs = _decode_outputs(outputs, state, dtype, anchor=fed)
     if masks:
         _set_keras_mask(outputs, masks[0])
     return outputs

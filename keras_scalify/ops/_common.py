@@ -219,5 +219,17 @@ def result_dtype(*xs):
     return keras.backend.result_type(*[standardize_dtype(x.dtype) for x in xs])
 
 
+def same_dtype(xs):
+    """ScaledTensors `xs` with their data in one dtype, Keras's promotion
+    of theirs (TensorFlow and torch refuse mixed dtypes themselves)."""
+    if len({x.dtype for x in xs}) <= 1:
+        return list(xs)
+    dtype = result_dtype(*[x.data for x in xs])
+    return [
+        x if x.dtype == dtype else ScaledTensor(ops.cast(x.data, dtype), x.scale, x.grad_scale)
+        for x in xs
+    ]
+
+
 def scaled(data, scale, grad_scale):
     return ScaledTensor(data, scale, grad_scale)

@@ -19,8 +19,8 @@ from keras_scalify.ops._common import is_static_scalar
 from keras_scalify.ops._common import pow2_mean
 from keras_scalify.ops._common import promote
 from keras_scalify.ops._common import rescale
-from keras_scalify.ops._common import result_dtype
 from keras_scalify.ops._common import safe_div
+from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import scale_grad
 
@@ -32,17 +32,7 @@ def binary_operands(x1, x2):
     if not (is_scaled(x1) or is_scaled(x2)):
         return None
     like = x1 if is_scaled(x1) else x2
-    a, b = promote(x1, like, "x1"), promote(x2, like, "x2")
-    if a.dtype != b.dtype:
-        # Keras's type promotion (TensorFlow refuses mixed dtypes itself).
-        dtype = result_dtype(a.data, b.data)
-        a, b = (
-            x
-            if x.dtype == dtype
-            else ScaledTensor(ops.cast(x.data, dtype), x.scale, x.grad_scale)
-            for x in (a, b)
-        )
-    return a, b
+    return same_dtype([promote(x1, like, "x1"), promote(x2, like, "x2")])
 
 
 def add_scale(sa, sb):

@@ -2,6 +2,7 @@
 
 import math
 
+import keras
 import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
@@ -97,6 +98,10 @@ def as_scaled(x, scale=None, grad_scale=None):
     check_input("x", x)
     _check_static_scale("scale", scale)
     _check_static_scale("grad_scale", grad_scale)
+    if isinstance(x, keras.Variable):
+        # Its value, as Keras's ops take it: on torch the Variable object
+        # itself would reach a custom gradient and lose its gradient.
+        x = ops.convert_to_tensor(x)
     if isinstance(x, (np.ndarray, np.generic, float, int, list, tuple)):
         x = np.asarray(x)
         if x.dtype == np.float64:

@@ -27,6 +27,7 @@ libraries rely on it. `uninstall_ops_dispatch()` puts every original
 function back.
 """
 
+import contextlib
 import importlib
 import inspect
 import types
@@ -102,8 +103,22 @@ def _shape(x):
     return ops.shape(x.data)
 
 
+def _zeros_like(x, dtype=None):
+    """Zeros of the data's shape (a plain tensor: no value to scale)."""
+    from keras import ops
+
+    return ops.zeros_like(x.data, dtype=dtype)
+
+
+def _ones_like(x, dtype=None):
+    """Ones of the data's shape (a plain tensor)."""
+    from keras import ops
+
+    return ops.ones_like(x.data, dtype=dtype)
+
+
 # Rules beyond the same-named `keras_scalify.ops` functions.
-_EXTRA_RULES = {"shape": _shape}
+_EXTRA_RULES = {"shape": _shape, "zeros_like": _zeros_like, "ones_like": _ones_like}
 
 
 def _rule(name):
@@ -133,6 +148,28 @@ def _rule_arguments(signature, rule_params, args, kwargs):
     return bound
 
 
+# Open `record_dispatch()` contexts: each counts rule / fallback calls.
+_RECORDERS = []
+
+
+def _record(kind, name):
+    for counts in _RECORDERS:
+        counts[kind][name] = counts[kind].get(name, 0) + 1
+
+
+@contextlib.contextmanager
+def record_dispatch():
+    """Counts, while open, the `keras.ops` calls on ScaledTensors by name:
+    `{"rule": {name: n}, "fallback": {name: n}}` (fallback: computed on
+    decoded values, so the scale is not propagated through that op)."""
+    counts = {"rule": {}, "fallback": {}}
+    _RECORDERS.append(counts)
+    try:
+        yield counts
+    finally:
+        _RECORDERS.remove(counts)
+
+
 def _make_wrapper(name, original):
     rule = _rule(name)
     signature = rule_params = None
@@ -150,7 +187,11 @@ def _make_wrapper(name, original):
         if rule is not None:
             bound = _rule_arguments(signature, rule_params, args, kwargs)
             if bound is not None:
+                if _RECORDERS:
+                    _record("rule", name)
                 return rule(*bound.args, **bound.kwargs)
+        if _RECORDERS:
+            _record("fallback", name)
         return original(*_decode(args), **_decode(kwargs))
 
     wrapper.__name__ = getattr(original, "__name__", name)

@@ -23,6 +23,7 @@ from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import grad_factor
 from keras_scalify.ops._common import pow2_mean
 from keras_scalify.ops._common import promote
+from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import rescale
 from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import scalars
@@ -113,7 +114,7 @@ def _operands(x1, x2):
     if not (is_scaled(x1) or is_scaled(x2)):
         return None
     like = x1 if is_scaled(x1) else x2
-    return promote(x1, like, "x1"), promote(x2, like, "x2")
+    return tuple(same_dtype([promote(x1, like, "x1"), promote(x2, like, "x2")]))
 
 
 def _static_k(x, name):
@@ -223,7 +224,7 @@ def einsum(subscripts, *operands, out_dtype=None):
         out = ops.einsum(subscripts, *operands)
         return out if out_dtype is None else ops.cast(out, out_dtype)
     like = next(x for x in operands if is_scaled(x))
-    xs = [promote(x, like, f"operands[{i}]") for i, x in enumerate(operands)]
+    xs = same_dtype([promote(x, like, f"operands[{i}]") for i, x in enumerate(operands)])
     k = _parse_einsum(subscripts, [x.shape for x in xs])
     out_shape = ops.einsum(subscripts, *[_spec(x) for x in xs]).shape
 

@@ -7,6 +7,7 @@ dtype; cotangents are exact.
 
 from keras import ops
 
+from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
@@ -78,3 +79,51 @@ def sigmoid(x):
         return _plain_or_scaled(x, ops.sigmoid)
     _, ga = scalars(x)
     return pointwise(x, ops.sigmoid, ops.ones((), "float32"), ga)
+
+
+def _half_exponent_scale(sa):
+    """`2**floor(e/2)` for `sa = 2**e` (0 for 0): `sqrt(sa)` up to a factor
+    of 1 or 2."""
+    e = pow2.pow2_exponent(sa)
+    h = pow2.pow2_from_exponent(ops.floor_divide(e, 2))
+    return ops.where(ops.equal(sa, 0), ops.zeros_like(sa), h)
+
+
+def _balanced_grad_scale(sa, ga, s):
+    """`ga·sa/s`: for f with |f'(x)| ≈ |f(x)|/|x| (powers), the data
+    cotangent `f'·cotangent·g/ga` then stays at the output's."""
+    return ga * safe_div(sa, s)
+
+
+def rsqrt(x):
+    """Rule: `s = 1/P(sqrt(sa))`, `d = rsqrt(a·sa)/s`; `g = ga·sa/s`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.rsqrt)
+    sa, ga = scalars(x)
+    s = safe_div(ops.ones_like(sa), _half_exponent_scale(sa))
+    return pointwise(x, ops.rsqrt, s, _balanced_grad_scale(sa, ga, s))
+
+
+def reciprocal(x):
+    """Rule: `s = 1/sa`, `d = 1/a`; `g = ga·sa²`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.reciprocal)
+    sa, ga = scalars(x)
+    s = safe_div(ops.ones_like(sa), sa)
+    return pointwise(x, ops.reciprocal, s, _balanced_grad_scale(sa, ga, s))
+
+
+def sin(x):
+    """Rule: `s = min(sa, 1)` (|sin x| ≤ min(|x|, 1)), `d = sin(a·sa)/s`; `g = ga`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.sin)
+    sa, ga = scalars(x)
+    return pointwise(x, ops.sin, _bounded_scale(sa), ga)
+
+
+def cos(x):
+    """Rule: `s = 1` (|cos x| ≤ 1), `d = cos(a·sa)`; `g = ga`."""
+    if not is_scaled(x):
+        return _plain_or_scaled(x, ops.cos)
+    _, ga = scalars(x)
+    return pointwise(x, ops.cos, ops.ones((), "float32"), ga)

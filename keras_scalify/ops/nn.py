@@ -3,11 +3,14 @@
 All are computed in float32 and cast back to the data dtype.
 """
 
+import numpy as np
 from keras import ops
 
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
+from keras_scalify.ops._common import promote
+from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import scalars
 from keras_scalify.core import pow2
 from keras_scalify.ops.math import pointwise
@@ -111,3 +114,78 @@ def rms_normalization(x, axis=-1, epsilon=None):
     if not is_scaled(x):
         return ops.rms_normalization(x, axis=axis, epsilon=epsilon)
     return _normalize(x, axis, epsilon, center=False)
+
+
+def _attention_probs(logits, bias, mask, is_causal):
+    """Softmax over the last axis of float32 `logits` (B, N, T, S) after
+    `bias` and the masks, as `keras.ops.dot_product_attention` does."""
+    if bias is not None:
+        logits = logits + ops.cast(bias, "float32")
+    keep = None if mask is None else ops.cast(mask, "bool")
+    if is_causal:
+        t, s = logits.shape[-2], logits.shape[-1]
+        causal = ops.tril(ops.ones((t, s), "bool"))
+        keep = causal if keep is None else ops.logical_and(keep, causal)
+    if keep is not None:
+        logits = ops.where(keep, logits, _LARGE_NEGATIVE)
+    return ops.softmax(logits, axis=-1)
+
+
+# Keras's fill for masked logits (float32): 0.7 × the float32 max, negated.
+_LARGE_NEGATIVE = -0.7 * 3.38953e38
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    scale=None,
+    is_causal=False,
+    flash_attention=None,
+    attn_logits_soft_cap=None,
+):
+    """Rule: logits `einsum(q, k)·scale` by the `einsum` rule (float32
+    data), softmax of their true values in float32 (bias, masks, soft cap
+    as `keras.ops.dot_product_attention`), then `einsum(probs, v)` by the
+    `einsum` rule, rebalanced by `P(S**(1/4))` (S the key length; see
+    `ScaledMultiHeadAttention`). Layout (B, T, N, H); fewer key/value heads
+    than query heads (grouped-query attention) are repeated.
+    `flash_attention` is ignored: the computation is unfused.
+    """
+    from keras_scalify.ops.arithmetic import multiply
+    from keras_scalify.ops.boundary import to_array
+    from keras_scalify.ops.linalg import einsum
+    from keras_scalify.ops.math import tanh
+    from keras_scalify.ops.rescaling import rebalance
+    from keras_scalify.ops.shape import repeat
+
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_input(name, x)
+    if not any(is_scaled(x) for x in (query, key, value)):
+        return ops.dot_product_attention(
+            query, key, value, bias=bias, mask=mask, scale=scale,
+            is_causal=is_causal, flash_attention=flash_attention,
+            attn_logits_soft_cap=attn_logits_soft_cap,
+        )
+    like = next(x for x in (query, key, value) if is_scaled(x))
+    query, key, value = same_dtype(
+        [promote(x, like, n) for x, n in ((query, "query"), (key, "key"), (value, "value"))]
+    )
+    heads, kv_heads = query.shape[-2], key.shape[-2]
+    if kv_heads != heads:
+        key = repeat(key, heads // kv_heads, axis=-2)
+        value = repeat(value, heads // kv_heads, axis=-2)
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(query.shape[-1]))
+    logits = einsum("btnh,bsnh->bnts", query, key, out_dtype="float32")
+    logits = multiply(logits, scale)
+    if attn_logits_soft_cap is not None:
+        cap = float(attn_logits_soft_cap)
+        logits = multiply(tanh(multiply(logits, 1.0 / cap)), cap)
+    probs = _attention_probs(to_array(logits), bias, mask, is_causal)
+    out = einsum("bnts,bsnh->btnh", ops.cast(probs, value.dtype), value)
+    length = key.shape[-3]
+    length = int(length) if isinstance(length, int) else 1
+    return rebalance(out, pow2.np_pow2_round_down(max(length, 1) ** 0.25))

@@ -102,3 +102,19 @@ def min(x, axis=None, keepdims=False):
         return ops.min(x, axis=axis, keepdims=keepdims)
     data = ops.min(x.data, axis=axis, keepdims=keepdims)
     return ScaledTensor(data, x.scale, x.grad_scale)
+
+
+def var(x, axis=None, keepdims=False):
+    """Rule: `s = sa²`, `d = var(a)` (float32, then the data dtype); `g = ga/sa`.
+
+    The deviations are taken from the data, so no rounding of the mean to
+    the data dtype enters (as `keras.ops.var`, which works in float32)."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.var(x, axis=axis, keepdims=keepdims)
+    sa, ga = scalars(x)
+    g = safe_div(ga, sa)
+    # d var / d a = 2(a - mean)/n ~ 2/sqrt(n)·|var|/|a|: the data cotangent
+    # is `cotangent·g·sa²/(ga·sa)` = cotangent (c = 1).
+    data = ops.var(_f32(x.data), axis=axis, keepdims=keepdims)
+    return ScaledTensor(ops.cast(data, x.dtype), sa * sa, g)

@@ -55,6 +55,54 @@ def slice(inputs, start_indices, shape):
     return _same_scale(inputs, ops.slice(inputs.data, start_indices, shape))
 
 
+def repeat(x, repeats, axis=None):
+    """Rule: scale unchanged; `d = repeat(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.repeat(x, repeats, axis=axis)
+    return _same_scale(x, ops.repeat(x.data, repeats, axis=axis))
+
+
+def tile(x, repeats):
+    """Rule: scale unchanged; `d = tile(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.tile(x, repeats)
+    return _same_scale(x, ops.tile(x.data, repeats))
+
+
+def broadcast_to(x, shape):
+    """Rule: scale unchanged; `d = broadcast_to(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.broadcast_to(x, shape)
+    return _same_scale(x, ops.broadcast_to(x.data, shape))
+
+
+def moveaxis(x, source, destination):
+    """Rule: scale unchanged; `d = moveaxis(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.moveaxis(x, source, destination)
+    return _same_scale(x, ops.moveaxis(x.data, source, destination))
+
+
+def swapaxes(x, axis1, axis2):
+    """Rule: scale unchanged; `d = swapaxes(a)`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.swapaxes(x, axis1, axis2)
+    return _same_scale(x, ops.swapaxes(x.data, axis1, axis2))
+
+
+def split(x, indices_or_sections, axis=0):
+    """Rule: each piece keeps the scale; `d_i = split(a)_i`."""
+    check_input("x", x)
+    if not is_scaled(x):
+        return ops.split(x, indices_or_sections, axis=axis)
+    return [_same_scale(x, d) for d in ops.split(x.data, indices_or_sections, axis=axis)]
+
+
 def take(x, indices, axis=None):
     """Rule: scale unchanged; `d = take(a, indices)` (an embedding lookup)."""
     check_input("x", x)

@@ -136,3 +136,9 @@ def test_hub_coverage_table(capsys):
     (row,) = rows
     assert row["scaled"] == "100.0%" and row["fp8"] == "100.0%"
     assert row["params"] == "same"
+    # Scales propagate inside Llama's blocks: the MLP and the attention
+    # output projection get ScaledTensors; every op on them has a rule.
+    handed_on, calls = (int(v) for v in row["handed_on"].split("/"))
+    assert calls == 14 and handed_on >= 8
+    by_rule, decoded = (int(v) for v in row["ops"].split(" / "))
+    assert by_rule > 0 and decoded == 0

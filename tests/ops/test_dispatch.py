@@ -38,13 +38,43 @@ RULED = {
     "tanh": (lambda a: ops.tanh(a), [(3, 4)]),
     "concatenate": (lambda a, b: ops.concatenate([a, b], axis=-1), [(3, 4), (3, 2)]),
     "exp": (lambda a: ops.exp(a), [(3, 4)]),
+    # What keras-hub blocks call (rotary embeddings, RMS norms, GQA).
+    "rsqrt": (lambda a: ops.rsqrt(ops.square(a) + 1.0), [(3, 4)]),
+    "reciprocal": (lambda a: ops.reciprocal(ops.square(a) + 0.5), [(3, 4)]),
+    "sin": (lambda a: ops.sin(a), [(3, 4)]),
+    "cos": (lambda a: ops.cos(a), [(3, 4)]),
+    "var": (lambda a: ops.var(a, axis=-1, keepdims=True), [(3, 4)]),
+    "split": (lambda a: ops.split(a, 2, axis=-1)[1], [(3, 4)]),
+    "repeat": (lambda a: ops.repeat(a, 2, axis=1), [(3, 4)]),
+    "tile": (lambda a: ops.tile(a, (2, 1)), [(3, 4)]),
+    "broadcast_to": (lambda a: ops.broadcast_to(a, (2, 3, 4)), [(3, 4)]),
+    "moveaxis": (lambda a: ops.moveaxis(a, 0, -1), [(2, 3, 4)]),
+    "swapaxes": (lambda a: ops.swapaxes(a, 0, 2), [(2, 3, 4)]),
+    "dot_product_attention": (
+        lambda q, k, v: ops.dot_product_attention(q, k, v), [(2, 5, 4, 8), (2, 6, 4, 8), (2, 6, 4, 8)]
+    ),
+    "dot_product_attention_causal_gqa": (
+        lambda q, k, v: ops.dot_product_attention(q, k, v, is_causal=True, scale=0.3),
+        [(2, 5, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8)],
+    ),
+    "dot_product_attention_bias": (
+        lambda q, k, v: ops.dot_product_attention(
+            q, k, v, bias=np.linspace(-1, 1, 30, dtype="float32").reshape(1, 1, 5, 6)
+        ),
+        [(2, 5, 4, 8), (2, 6, 4, 8), (2, 6, 4, 8)],
+    ),
+    "dot_product_attention_mask": (
+        lambda q, k, v: ops.dot_product_attention(
+            q, k, v, mask=np.tril(np.ones((5, 6), bool), 1)[None, None]
+        ),
+        [(2, 5, 4, 8), (2, 6, 4, 8), (2, 6, 4, 8)],
+    ),
 }
 
 # Functions without a rule: decoded, computed plainly.
 PLAIN = {
-    "rsqrt": (lambda a: ops.rsqrt(ops.abs(a) + 1.0), [(3, 4)]),
-    "sin": (lambda a: ops.sin(a), [(3, 4)]),
-    "split": (lambda a: ops.split(a, 2, axis=-1)[1], [(3, 4)]),
+    "arctan": (lambda a: ops.arctan(a), [(3, 4)]),
+    "log1p": (lambda a: ops.log1p(ops.abs(a)), [(3, 4)]),
     "cumsum": (lambda a: ops.cumsum(a, axis=0), [(3, 4)]),
     "layer_normalization_gamma": (
         lambda a: ops.layer_normalization(a, gamma=np.full((4,), 2.0, "float32")),
@@ -68,6 +98,47 @@ def test_keras_ops_apply_the_scale_rule(rng, name):
     assert_close(out, expected, rtol=rtol, atol_rel=rtol)
 
 
+@pytest.mark.parametrize("name", sorted(RULED))
+def test_rules_give_true_gradients(rng, name):
+    """Through each rule, the gradient of a weighted sum with respect to
+    every operand is the plain op's, whatever the scales."""
+    fn, shapes = RULED[name]
+    if name == "cast":
+        pytest.skip("float16 rounding of the values")
+    values = [rng.standard_normal(s).astype("float32") for s in shapes]
+    scales = [4.0, 2.0**-3, 2.0**5][: len(values)]
+    grad_scales = [2.0**-3, 2.0**4, 1.0][: len(values)]
+    out0 = _plain(fn, values)
+    weights = ops.convert_to_tensor(rng.standard_normal(tuple(out0.shape)).astype("float32"))
+
+    def loss(*xs):
+        return ops.sum(ksc.to_array(fn(*xs)) * weights)
+
+    def scaled_loss(*datas):
+        xs = [ksc.as_scaled(d, s, g) for d, s, g in zip(datas, scales, grad_scales)]
+        return loss(*xs)
+
+    datas = [v / np.float32(s) for v, s in zip(values, scales)]
+    v1, g1 = kb.value_and_grad(scaled_loss)(*datas)
+    v0, g0 = kb.value_and_grad(lambda *xs: ops.sum(fn(*xs) * weights))(*values)
+    assert_close(v1, v0, rtol=1e-5, atol_rel=1e-5)
+    for a, b, s in zip(g1, g0, scales):
+        assert_close(a, to_np(b) * s, rtol=1e-4, atol_rel=1e-4)
+
+
+def test_dot_product_attention_soft_cap(rng):
+    """`attn_logits_soft_cap` (plain Keras supports it on TPUs only)
+    against the unfused computation on the represented values."""
+    q, k, v = (_st(rng, (2, 5, 4, 8), s, 1.0) for s in (4.0, 0.5, 2.0))
+    out = ops.dot_product_attention(q, k, v, attn_logits_soft_cap=3.0)
+    qn, kn, vn = (to_np(t) for t in (q, k, v))
+    logits = np.einsum("btnh,bsnh->bnts", qn, kn) / np.sqrt(8.0)
+    logits = np.tanh(logits / 3.0) * 3.0
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert_close(out, np.einsum("bnts,bsnh->btnh", p, vn), rtol=1e-5, atol_rel=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(PLAIN))
 def test_keras_ops_without_a_rule_compute_on_decoded_values(rng, name):
     fn, shapes = PLAIN[name]
@@ -87,8 +158,8 @@ def test_gradients_through_rules_and_plain_ops_are_true_gradients(rng):
 
     def body(x):
         h = ops.matmul(x, w)  # rule
-        h = ops.rsqrt(ops.square(h) + 1.0)  # square: rule; add: rule; rsqrt: plain
-        h = ops.sin(h[:, :3])  # indexing, then plain
+        h = ops.rsqrt(ops.square(h) + 1.0)  # square, add, rsqrt: rules
+        h = ops.arctan(h[:, :3])  # indexing, then plain
         return ops.sum(h)
 
     def scaled_loss(data):
@@ -193,3 +264,34 @@ def test_calls_the_rule_cannot_take_fall_back_to_the_plain_op(rng):
     both = ops.concatenate(xs=[x, x], axis=0)
     assert ksc.is_scaled(both)
     assert_close(both, np.concatenate([to_np(x)] * 2), rtol=1e-6)
+
+
+class _TimesWeight(keras.layers.Layer):
+    """`x · 2 · w`, on a ScaledTensor (`scaled=True`) or plainly."""
+
+    def __init__(self, scaled, **kwargs):
+        super().__init__(**kwargs)
+        self.scaled = scaled
+
+    def build(self, shape):
+        self.w = self.add_weight(shape[-1:], initializer="ones")
+
+    def call(self, x):
+        if self.scaled:
+            return ksc.to_array(ksc.as_scaled(x, 2.0) * self.w)
+        return x * 2.0 * self.w
+
+
+def test_a_keras_variable_operand_keeps_its_gradient(rng):
+    """`ScaledTensor * layer.weight`: on torch the Variable object itself
+    used to become the data, and its gradient was silently dropped."""
+    x = rng.standard_normal((8, 4)).astype("float32")
+    y = rng.standard_normal((8, 4)).astype("float32")
+    weights = []
+    for scaled in (False, True):
+        model = keras.Sequential([keras.Input((4,)), _TimesWeight(scaled)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.train_on_batch(x, y)
+        weights.append(to_np(model.layers[0].w))
+    assert not np.allclose(weights[0], 1.0)
+    assert_close(weights[1], weights[0], rtol=1e-6)

@@ -1,0 +1,152 @@
+"""Scale propagation through custom layers: scaled regions.
+
+Inside a custom layer that `scalify` converted in place (a keras-hub
+transformer block, an attention layer), the converted sublayers are
+plain-I/O (`layers/plain_io.py`). A *region* lets ScaledTensors flow
+between them instead: while the outermost such layer runs, converted
+sublayers return their ScaledTensors (grad scale re-anchored, not
+decoded), the layer's own code runs `keras.ops` and Python operators on
+them (`ops/dispatch.py`: the scaled rule where there is one, else the plain
+op on decoded values), and the region decodes what it returns.
+
+`install_regions(root)` sets a `call` wrapper (an instance attribute;
+`uninstall_regions` removes it) on each layer under `root` that is not a
+scaled layer:
+
+- a *composite*: a custom layer, not a model, with converted layers below
+  it and no model below it (a Functional model's graph nodes call backend
+  ops, not `keras.ops`, so no ScaledTensor may reach one). Outside a region
+  it opens one and decodes its outputs to float32 on the way out; inside
+  one it runs as is. Models and layers holding models open no region:
+  their code sees plain values, their composites open their own regions;
+- a *leaf* (no converted layer below) called in a region: a Keras layer
+  gets its ScaledTensor inputs decoded (Dropout: applied to the data, the
+  scale kept); a layer from elsewhere (keras-hub's rotary embeddings and
+  norms, written with `keras.ops`) runs on the ScaledTensors as they are.
+"""
+
+import contextlib
+import functools
+import threading
+
+import keras
+
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.core.scaled_tensor import map_scaled
+
+_STATE = threading.local()
+
+
+def in_region():
+    """Whether a scaled region is open (this thread)."""
+    return getattr(_STATE, "open", False)
+
+
+@contextlib.contextmanager
+def _region(open_):
+    previous = in_region()
+    _STATE.open = open_
+    try:
+        yield
+    finally:
+        _STATE.open = previous
+
+
+def _decode(x):
+    from keras_scalify.ops.boundary import to_array
+
+    if not is_scaled(x):
+        return x
+    # Keras maps a call's masks over the inputs' structure: a ScaledTensor
+    # input gets a `ScaledTensor(None, None, None)` mask.
+    return None if x.data is None else to_array(x)
+
+
+def _decode_all(args, kwargs):
+    return map_scaled(_decode, args), map_scaled(_decode, kwargs)
+
+
+def _composite_call(call):
+    @functools.wraps(call)
+    def wrapper(*args, **kwargs):
+        if in_region():
+            return call(*args, **kwargs)
+        with _region(True):
+            outputs = call(*args, **kwargs)
+        return map_scaled(_decode, outputs)
+
+    return wrapper
+
+
+def _leaf_call(call):
+    @functools.wraps(call)
+    def wrapper(*args, **kwargs):
+        if in_region():
+            args, kwargs = _decode_all(args, kwargs)
+        return call(*args, **kwargs)
+
+    return wrapper
+
+
+def _data_call(call):
+    """A layer linear and elementwise in its input (Dropout): applied to
+    a ScaledTensor's data, the scale kept (the same mask, exactly)."""
+
+    @functools.wraps(call)
+    def wrapper(inputs, *args, **kwargs):
+        if in_region() and is_scaled(inputs):
+            data = call(inputs.data, *args, **kwargs)
+            return ScaledTensor(data, inputs.scale, inputs.grad_scale)
+        return call(inputs, *args, **kwargs)
+
+    return wrapper
+
+
+def _transparent_call(call):
+    """A layer written with `keras.ops` (not one of Keras's own): runs on
+    ScaledTensors as they are, through the ops dispatch."""
+    return call
+
+
+# Keras layers applied to a ScaledTensor's data (see `_data_call`).
+_DATA_LAYERS = (keras.layers.Dropout,)
+
+
+def _kind(layer):
+    """The wrapper for `layer`'s call (None: left as it is)."""
+    from keras_scalify.layers.base import ScaledLayer
+
+    if isinstance(layer, (ScaledLayer, keras.Model)):
+        return None
+    below = layer._flatten_layers(include_self=False, recursive=True)
+    if any(isinstance(sub, ScaledLayer) for sub in below):
+        if any(isinstance(sub, keras.Model) for sub in below):
+            return None
+        return _composite_call
+    if type(layer) in _DATA_LAYERS:
+        return _data_call
+    if type(layer).__module__.startswith("keras."):
+        return _leaf_call
+    return _transparent_call
+
+
+def install_regions(root):
+    """Wraps the `call` of the layers in `root`'s tree (`root` included)
+    as composites or leaves (see above)."""
+    for layer in root._flatten_layers(include_self=True, recursive=True):
+        if "_ksc_plain_call" in layer.__dict__:
+            continue
+        wrap = _kind(layer)
+        if wrap is None:
+            continue
+        object.__setattr__(layer, "_ksc_plain_call", layer.call)
+        object.__setattr__(layer, "call", wrap(layer.call))
+
+
+def uninstall_regions(root):
+    """Removes the wrappers `install_regions` set."""
+    for layer in root._flatten_layers(include_self=True, recursive=True):
+        if "_ksc_plain_call" in layer.__dict__:
+            object.__delattr__(layer, "call")
+            object.__delattr__(layer, "_ksc_plain_call")
