@@ -1,10 +1,12 @@
 """keras_scalify: FP8/FP16 training for Keras 3 by scale propagation."""
 
+from keras_scalify import callbacks
 from keras_scalify import core
 from keras_scalify import debug
 from keras_scalify import layers
 from keras_scalify import ops
 from keras_scalify import optimizers
+from keras_scalify import plot
 from keras_scalify import policies
 from keras_scalify.convert import scalify
 from keras_scalify.convert import unscalify
