@@ -305,8 +305,8 @@ def _check_formats(formats):
     for k, v in formats.items():
         if v is None:
             continue
-        v = keras.backend.standardize_dtype(v)
         try:
+            v = keras.backend.standardize_dtype(v)
             get_format(v)
         except Exception as e:
             raise ValueError(f"`formats[{k!r}]`: unknown format {v!r} ({e}).")
