@@ -54,6 +54,8 @@ _SCALED_NAMES = {
     "Add": "ScaledAdd",
     "Dropout": "ScaledDropout",
     "MultiHeadAttention": "ScaledMultiHeadAttention",
+    "Conv1D": "ScaledConv1D",
+    "Conv2D": "ScaledConv2D",
 }
 
 
@@ -89,6 +91,8 @@ _IN_PLACE = (
     "LayerNormalization",
     "RMSNormalization",
     "MultiHeadAttention",
+    "Conv1D",
+    "Conv2D",
 )
 
 _KEPT_METHODS = ("call", "build", "compute_output_spec", "compute_output_shape")

@@ -155,8 +155,8 @@ def _layer_flops(layer, args, kwargs, output):
         if kwargs.get("reverse") or (len(args) > 1 and args[1]):
             return 2 * int(np.prod(shape(x))) * int(layer.input_dim)
         return None
-    if isinstance(layer, keras.layers.Conv1D) or isinstance(
-        layer, keras.layers.Conv2D
+    if isinstance(
+        layer, (keras.layers.Conv1D, keras.layers.Conv2D, sl.ScaledConv1D, sl.ScaledConv2D)
     ):
         out = shape(output)
         kernel = shape(layer.kernel)

@@ -5,6 +5,8 @@ from keras_scalify.layers.attention import ScaledMultiHeadAttention
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.boundary import AsScaled
 from keras_scalify.layers.boundary import ToArray
+from keras_scalify.layers.conv import ScaledConv1D
+from keras_scalify.layers.conv import ScaledConv2D
 from keras_scalify.layers.dense import ScaledDense
 from keras_scalify.layers.einsum_dense import ScaledEinsumDense
 from keras_scalify.layers.embedding import ScaledEmbedding

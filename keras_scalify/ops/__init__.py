@@ -26,6 +26,7 @@ from keras_scalify.ops.comparison import greater_equal
 from keras_scalify.ops.comparison import less
 from keras_scalify.ops.comparison import less_equal
 from keras_scalify.ops.comparison import not_equal
+from keras_scalify.ops.linalg import conv
 from keras_scalify.ops.linalg import dot
 from keras_scalify.ops.linalg import einsum
 from keras_scalify.ops.linalg import fp8_einsum

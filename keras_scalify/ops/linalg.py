@@ -240,6 +240,25 @@ def einsum(subscripts, *operands, out_dtype=None):
     return out
 
 
+def conv(inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
+    """Rule: as `matmul`, K the kernel's fan-in (`prod(kernel.shape[:-1])`,
+    window × input channels per group): `s = sx·sw·P(sqrt(K))`,
+    `d = conv(data)/P(sqrt(K))`. Arguments as `keras.ops.conv`."""
+    check_input("inputs", inputs)
+    check_input("kernel", kernel)
+    if not (is_scaled(inputs) or is_scaled(kernel)):
+        return ops.conv(inputs, kernel, strides, padding, data_format, dilation_rate)
+    like = inputs if is_scaled(inputs) else kernel
+    x, w = same_dtype([promote(inputs, like, "inputs"), promote(kernel, like, "kernel")])
+    k = _size(w.shape[:-1], "kernel")
+
+    def fn(a, b):
+        return ops.conv(a, b, strides, padding, data_format, dilation_rate)
+
+    out_shape = fn(_spec(x), _spec(w)).shape
+    return _contract(fn, [x, w], k, out_shape)
+
+
 def _weight_equation(a, b):
     """The einsum equation of `a @ b` for a 2-D `b` (None otherwise)."""
     if len(b.shape) != 2 or not 1 <= len(a.shape) <= 9:

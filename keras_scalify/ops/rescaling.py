@@ -101,17 +101,19 @@ def next_grad_scale(g, g_out, statistic):
     return grad_scale_from_statistic(data_statistic(g, statistic), g_out)
 
 
-def grad_scale_from_statistic(stat, g_out):
+def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     """`next_grad_scale` from an already measured statistic `stat` (float32
-    scalar) of a cotangent in `g_out` units."""
+    scalar) of a cotangent in `g_out` units.
+
+    `zero_may_be_underflow=False` (a float32 cotangent, whose every value
+    would have to be below 2**-149 to vanish): an all-zero cotangent is a
+    true zero (an unused weight, a dead unit), so the grad scale is kept
+    rather than lowered towards the floor."""
     finite = ops.isfinite(stat)
     e_out = pow2.pow2_exponent(g_out)
     e_stat = pow2.pow2_exponent(ops.where(finite, stat, ops.ones_like(stat)))
-    e_new = ops.where(
-        ops.greater(stat, 0.0),
-        e_out + e_stat,
-        e_out - RECOVERY_EXPONENT,
-    )
+    e_zero = e_out - RECOVERY_EXPONENT if zero_may_be_underflow else e_out
+    e_new = ops.where(ops.greater(stat, 0.0), e_out + e_stat, e_zero)
     e_new = ops.where(finite, e_new, e_out + RECOVERY_EXPONENT)
     return pow2.pow2_from_exponent(e_new)
 

@@ -301,7 +301,9 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                     # grad scale and, in true units, decides the skip (a
                     # NaN, an inf or a float32 overflow of the norm).
                     stat = data_statistic(g, "l2")
-                    always.append((sv.grad_scale, grad_scale_from_statistic(stat, gs)))
+                    # A float32 gradient cannot underflow to all zeros.
+                    underflows = keras.backend.standardize_dtype(g.dtype) != "float32"
+                    always.append((sv.grad_scale, grad_scale_from_statistic(stat, gs, underflows)))
                     finite = ops.logical_and(finite, ops.isfinite(stat * gs))
                     # `ops.multiply`, not `*`: on TensorFlow an Embedding's
                     # gradient is a `tf.IndexedSlices` (one row per token,

@@ -101,6 +101,8 @@ def _keras_layers():
         "layer_norm_axes": (lambda: keras.layers.LayerNormalization(axis=[1, 2], center=False), (3, 5, 8)),
         "rms_norm": (lambda: keras.layers.RMSNormalization(epsilon=1e-5), (3, 5, 8)),
         "embedding": (lambda: keras.layers.Embedding(11, 8), (3, 5)),
+        "conv1d": (lambda: keras.layers.Conv1D(4, 3, padding="same", activation="relu"), (2, 9, 3)),
+        "conv2d": (lambda: keras.layers.Conv2D(4, (3, 2), strides=2, data_format="channels_first"), (2, 3, 8, 7)),
     }
 
 
@@ -114,6 +116,7 @@ def test_from_keras_and_to_keras_keep_config_and_weights(name, rng):
         "dense": ScaledDense, "dense_nobias": ScaledDense,
         "layer_norm": ScaledLayerNormalization, "layer_norm_axes": ScaledLayerNormalization,
         "rms_norm": ScaledRMSNormalization, "embedding": ScaledEmbedding,
+        "conv1d": ksc.layers.ScaledConv1D, "conv2d": ksc.layers.ScaledConv2D,
     }[name]
     s = cls.from_keras(k)
     assert type(s) is cls and s.built and s.name == k.name
@@ -207,6 +210,32 @@ def test_dense_matches_keras(activation, rng):
     _randomize(k, rng)
     s = ScaledDense.from_keras(k)
     _check_same(s, k, [_randn(rng, (3, 4, 8))], rng, (3, 4, 6))
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: keras.layers.Conv1D(5, 3, activation="gelu"), (2, 9, 3)),
+        (lambda: keras.layers.Conv2D(4, 3, padding="same", dilation_rate=2), (2, 8, 7, 3)),
+        (lambda: keras.layers.Conv2D(4, 2, strides=2, data_format="channels_first"), (2, 3, 8, 6)),
+    ],
+)
+def test_conv_matches_keras(make, shape, rng):
+    k = make()
+    k.build(shape)
+    _randomize(k, rng)
+    s = ksc.layers.ScaledConv1D.from_keras(k) if len(shape) == 3 else ksc.layers.ScaledConv2D.from_keras(k)
+    x = _randn(rng, shape)
+    _check_same(s, k, [x], rng, tuple(k(x).shape))
+
+
+def test_conv_rejects_what_it_lacks():
+    with pytest.raises(ValueError, match="groups"):
+        ksc.layers.ScaledConv2D.from_keras(keras.layers.Conv2D(4, 3, groups=2))
+    with pytest.raises(ValueError, match="padding"):
+        ksc.layers.ScaledConv1D(4, 3, padding="causal")
+    with pytest.raises(ValueError, match="kernel_size"):
+        ksc.layers.ScaledConv2D(4, (3, 0))
 
 
 def test_dense_matches_keras_on_scaled_input(rng):

@@ -38,6 +38,7 @@ RULED = {
     "tanh": (lambda a: ops.tanh(a), [(3, 4)]),
     "concatenate": (lambda a, b: ops.concatenate([a, b], axis=-1), [(3, 4), (3, 2)]),
     "exp": (lambda a: ops.exp(a), [(3, 4)]),
+    "conv": (lambda a, b: ops.conv(a, b, strides=2), [(2, 7, 6, 3), (3, 3, 3, 4)]),
     # What keras-hub blocks call (rotary embeddings, RMS norms, GQA).
     "rsqrt": (lambda a: ops.rsqrt(ops.square(a) + 1.0), [(3, 4)]),
     "reciprocal": (lambda a: ops.reciprocal(ops.square(a) + 0.5), [(3, 4)]),

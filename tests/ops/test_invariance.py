@@ -136,6 +136,12 @@ TABLE = [
         lambda q, k: keras.ops.einsum("bhqd,bhkd->bhqk", q, k),
         [("n", (1, 2, 4, 8)), ("n2", (1, 2, 4, 8))],
     ),
+    (
+        "conv",
+        lambda x, w: kops.conv(x, w, padding="same"),
+        lambda x, w: keras.ops.conv(x, w, padding="same"),
+        [("n", (2, 6, 5, 3)), ("n2", (3, 3, 3, 4))],
+    ),
     # reductions
     ("sum_all", kops.sum, keras.ops.sum, ["n"]),
     ("sum_axis1", lambda x: kops.sum(x, axis=1), lambda x: keras.ops.sum(x, axis=1), ["n"]),
