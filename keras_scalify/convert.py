@@ -95,20 +95,35 @@ _IN_PLACE = (
     "Conv2D",
 )
 
-_KEPT_METHODS = ("call", "build", "compute_output_spec", "compute_output_shape")
+# Methods a subclass may override and still convert as its Keras class
+# (construction and serialization: the scaled layer has its own).
+_FREE_METHODS = ("__init__", "get_config", "from_config", "__repr__")
+
+
+def _overridden_methods(layer, cls):
+    """The methods of `cls` that `type(layer)` (a subclass) redefines."""
+    names = set()
+    for klass in type(layer).__mro__:
+        if klass is cls or not issubclass(klass, cls):
+            break
+        names |= {
+            n for n, v in vars(klass).items()
+            if callable(v) and hasattr(cls, n) and n not in _FREE_METHODS
+        }
+    return names
 
 
 def _convertible_name(layer):
+    """The Keras class name `layer` converts as: its class, or a subclass
+    that redefines none of the class's methods (a subclass overriding, say,
+    `_compute_attention` would silently lose it)."""
     for keras_name in _SCALED_NAMES:
         cls = _keras_class(keras_name)
         if type(layer) is cls:
             return keras_name
     for keras_name in _SCALED_NAMES:
         cls = _keras_class(keras_name)
-        if isinstance(layer, cls) and all(
-            getattr(type(layer), m, None) is getattr(cls, m, None)
-            for m in _KEPT_METHODS
-        ):
+        if isinstance(layer, cls) and not _overridden_methods(layer, cls):
             return keras_name
     return None
 
@@ -516,8 +531,9 @@ def scalify(model, dtype=None, exclude=()):
     """`model` computed with scaled layers.
 
     Dense, EinsumDense, Embedding, ReversibleEmbedding, LayerNormalization,
-    RMSNormalization, Activation, Add, Dropout and MultiHeadAttention layers
-    (the Keras classes, or subclasses that keep their `call`) become their
+    RMSNormalization, Activation, Add, Dropout, MultiHeadAttention, Conv1D
+    and Conv2D layers (the Keras classes, or subclasses that redefine none
+    of their methods) become their
     `keras_scalify.layers` counterparts holding the same represented
     weights (`ScaledX.from_keras`), keeping their names.
 
@@ -535,7 +551,10 @@ def scalify(model, dtype=None, exclude=()):
       (`ScaledLayer.enable_plain_io`), since the code around them runs
       `keras.ops` on plain tensors. Such a model is returned itself,
       converted. Plain layers left under a scaled dtype policy compute in
-      float32.
+      float32. While a custom layer holding converted layers runs (a
+      transformer block), ScaledTensors flow between them and through its
+      `keras.ops` code (scaled regions, `layers/regions.py`); it returns
+      plain float32 values.
 
     So `model` is modified wherever it contains custom layers or is not a
     plain Sequential/Functional model (as `model.quantize` does): keep a

@@ -434,3 +434,36 @@ def test_converted_attention_refuses_implicit_keras_masks():
         ksc.scalify(model, dtype="scaled_float32")
     with pytest.raises(ValueError, match="attention_mask"):
         model(tokens)
+
+
+def test_a_subclass_redefining_a_method_is_not_converted_as_its_base():
+    """An attention subclass that keeps `call` but redefines
+    `_compute_attention` would silently lose it as a ScaledMultiHeadAttention:
+    it stays its own class, with its projections converted inside."""
+
+    class Doubled(keras.layers.MultiHeadAttention):
+        def _compute_attention(self, *args, **kwargs):
+            out, scores = super()._compute_attention(*args, **kwargs)
+            return out * 2.0, scores
+
+    class Plain(keras.layers.MultiHeadAttention):
+        def get_config(self):
+            return super().get_config()
+
+    class Holder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.doubled = Doubled(num_heads=2, key_dim=4)
+            self.plain = Plain(num_heads=2, key_dim=4)
+
+        def call(self, x):
+            return self.doubled(x, x) + self.plain(x, x)
+
+    model = Holder()
+    x = _x((2, 3, 8))
+    expected = _predict(model, x)
+    ksc.scalify(model, dtype="scaled_float32")
+    assert type(model.doubled) is Doubled
+    assert isinstance(model.doubled._query_dense, ksc.layers.ScaledEinsumDense)
+    assert isinstance(model.plain, ksc.layers.ScaledMultiHeadAttention)
+    _close(_predict(model, x), expected)
