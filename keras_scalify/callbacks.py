@@ -186,11 +186,53 @@ def _item_name(kind, k):
     return kind if k == 0 else f"{kind}{k}"
 
 
-def measure(model, formats=None, sample=None, loss=None):
+def measure(model, formats=None, sample=None, loss=None, _cache=None):
     """One record of what `ScaleMonitor` watches, from `model`'s current
     weights (and a forward/backward pass on `sample`), as a dict of Python
-    floats `{"<layer path>/<item>/<stat>": value}`. See `ScaleMonitor`."""
+    floats `{"<layer path>/<item>/<stat>": value}`. See `ScaleMonitor`.
+
+    Under JAX the measurement is one compiled function of the model's
+    variable values (`keras.StatelessScope`), cached in `_cache` (a dict)
+    when given; elsewhere it runs eagerly."""
     formats = _check_formats(formats)
+    x, y = _split_sample(sample) if sample is not None else (None, None)
+    if keras.backend.backend() == "jax":
+        key = (id(model), tuple(sorted(formats.items())), id(loss))
+        fn = _cache.get(key) if _cache is not None else None
+        if fn is None:
+            fn = _jax_measure(model, formats, loss)
+            if _cache is not None:
+                _cache[key] = fn
+        row = fn(x, y)
+    else:
+        row = _measure_tensors(model, formats, x, y, loss)
+    return {k: _to_float(v) for k, v in row.items()}
+
+
+def _jax_measure(model, formats, loss):
+    import jax
+
+    variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+
+    keys = []  # the record's column order, set when `pure` is traced
+
+    def pure(values, x, y):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            row = _measure_tensors(model, formats, x, y, loss)
+        keys[:] = list(row)
+        return [row[k] for k in keys]
+
+    jitted = jax.jit(pure)
+
+    def run(x, y):
+        values = jitted([v.value for v in variables], x, y)
+        return dict(zip(keys, values))
+
+    return run
+
+
+def _measure_tensors(model, formats, x, y, loss):
+    """`measure`'s record as a dict of scalar tensors."""
     row = {}
     for layer in scaled_layers(model):
         mm, _, data = _formats_of(layer, formats)
@@ -201,12 +243,11 @@ def measure(model, formats=None, sample=None, loss=None):
             row.update(_stat_row(f"{key}/{sv.name}", s))
             gs = effective_grad_scale(read_tensor(sv.grad_scale), read_tensor(sv.scale))
             row[f"{key}/{sv.name}/grad_scale_exp"] = pow2.pow2_exponent(gs)
-    if sample is not None:
-        x, y = _split_sample(sample)
+    if x is not None:
         row.update(_activation_stats(model, x, formats))
         if y is not None:
             row.update(_gradient_stats(model, x, y, formats, loss))
-    return {k: _to_float(v) for k, v in row.items()}
+    return row
 
 
 def _split_sample(sample):
@@ -409,6 +450,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._columns = None
         self._writer = None
         self._writer_tried = False
+        self._cache = {}
 
     def get_config(self):
         return {
@@ -499,7 +541,9 @@ class ScaleMonitor(keras.callbacks.Callback):
             "learning_rate": self._learning_rate(),
             "skipped_steps": float(skipped),
         }
-        row.update(measure(self.model, self.formats, self.sample, self.loss))
+        row.update(
+            measure(self.model, self.formats, self.sample, self.loss, self._cache)
+        )
         if self._columns is None:
             self._columns = list(row)
         self._rows.append(row)

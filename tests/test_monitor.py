@@ -164,7 +164,7 @@ def test_training_is_bit_identical_with_and_without_monitor():
     for monitor in (None, ScaleMonitor(every=1, sample=(x[:BATCH], y[:BATCH]))):
         model = _model()
         model.fit(
-            x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+            x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
             callbacks=[monitor] if monitor else [],
         )
         values = [_np(v) for v in model.weights + model.optimizer.variables]
