@@ -192,15 +192,19 @@ def measure(model, formats=None, sample=None, loss=None, _cache=None):
     floats `{"<layer path>/<item>/<stat>": value}`. See `ScaleMonitor`.
 
     Under JAX the measurement is one compiled function of the model's
-    variable values (`keras.StatelessScope`), cached in `_cache` (a dict)
-    when given; elsewhere it runs eagerly."""
+    variable values (`keras.StatelessScope`), under TensorFlow a
+    `tf.function` reading the variables, cached in `_cache` (a dict) when
+    given; under torch it runs eagerly."""
     formats = _check_formats(formats)
     x, y = _split_sample(sample) if sample is not None else (None, None)
-    if keras.backend.backend() == "jax":
+    compile_ = {"jax": _jax_measure, "tensorflow": _tf_measure}.get(
+        keras.backend.backend()
+    )
+    if compile_ is not None:
         key = (id(model), tuple(sorted(formats.items())), id(loss))
         fn = _cache.get(key) if _cache is not None else None
         if fn is None:
-            fn = _jax_measure(model, formats, loss)
+            fn = compile_(model, formats, loss)
             if _cache is not None:
                 _cache[key] = fn
         row = fn(x, y)
@@ -226,6 +230,25 @@ def _jax_measure(model, formats, loss):
 
     def run(x, y):
         values = jitted([v.value for v in variables], x, y)
+        return dict(zip(keys, values))
+
+    return run
+
+
+def _tf_measure(model, formats, loss):
+    import tensorflow as tf
+
+    keys = []  # the record's column order, set when `pure` is traced
+
+    def pure(x, y):
+        row = _measure_tensors(model, formats, x, y, loss)
+        keys[:] = list(row)
+        return [row[k] for k in keys]
+
+    compiled = tf.function(pure, reduce_retracing=True)
+
+    def run(x, y):
+        values = compiled(x, y)
         return dict(zip(keys, values))
 
     return run
