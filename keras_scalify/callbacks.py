@@ -22,7 +22,9 @@ from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
+from keras_scalify.debug import _wrapped_calls
 from keras_scalify.debug import stats
+from keras_scalify.layers.plain_io import _is_float_tensor
 from keras_scalify.layers.variable import effective_grad_scale
 from keras_scalify.layers.variable import read_tensor
 
@@ -82,12 +84,6 @@ def _first_input(args, kwargs):
     return None
 
 
-def _is_float(x):
-    if x is None or not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        return False
-    return "float" in keras.backend.standardize_dtype(x.dtype)
-
-
 def _replace_first_scaled(outputs, fn):
     """`outputs` with its first ScaledTensor replaced by `fn(it)`."""
     done = []
@@ -125,24 +121,20 @@ def _capturing(model, on_output):
     from keras_scalify.layers.regions import in_region
     from keras_scalify.ops.boundary import to_array
 
-    saved = []
-    for layer in scaled_layers(model):
-        own = layer.__dict__.get("call")
-        original = layer.call
-
-        def call(*args, _layer=layer, _call=original, **kwargs):
-            plain = _layer.plain_io and not in_region()
+    def wrap(layer, original):
+        def call(*args, **kwargs):
+            plain = layer.plain_io and not in_region()
             if plain:
-                masks = _input_masks(_layer, args, kwargs)
+                masks = _input_masks(layer, args, kwargs)
                 with _region(True):
-                    out = _call(*args, **kwargs)
+                    out = original(*args, **kwargs)
             else:
-                out = _call(*args, **kwargs)
+                out = original(*args, **kwargs)
             out = _replace_first_scaled(
-                out, lambda y: on_output(_layer, args, kwargs, y)
+                out, lambda y: on_output(layer, args, kwargs, y)
             )
             if plain:
-                dtype = _layer._plain_io_dtype
+                dtype = layer._plain_io_dtype
                 out = map_scaled(
                     lambda t: to_array(t, dtype) if is_scaled(t) else t, out
                 )
@@ -150,15 +142,10 @@ def _capturing(model, on_output):
                     _set_keras_mask(out, masks[0])
             return out
 
-        object.__setattr__(layer, "call", call)
-        saved.append((layer, own))
-    try:
+        return call
+
+    with _wrapped_calls(scaled_layers(model), wrap):
         yield
-    finally:
-        for layer, own in saved:
-            object.__delattr__(layer, "call")
-            if own is not None:
-                object.__setattr__(layer, "call", own)
 
 
 @contextlib.contextmanager
@@ -291,7 +278,7 @@ def _activation_stats(model, x, formats):
         key = layer_key(layer)
         k = calls[id(layer)] = calls.get(id(layer), -1) + 1
         first = _first_input(args, kwargs)
-        if is_scaled(first) or _is_float(first):
+        if is_scaled(first) or _is_float_tensor(first):
             xin = first if is_scaled(first) else encode(first)
             row.update(_stat_row(f"{key}/{_item_name('input', k)}", stats(xin, mm)))
         row.update(_stat_row(f"{key}/{_item_name('output', k)}", stats(y, data)))

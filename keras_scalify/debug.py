@@ -165,22 +165,14 @@ def _layer_flops(layer, args, kwargs, output):
 
 
 @contextlib.contextmanager
-def _watching_calls(model, record):
-    """While open, every layer inside `model` reports each call to
-    `record(layer, args, kwargs, outputs)`. The `call` each layer had (its
-    class's, or an instance wrapper such as a scaled region's) is put back
-    afterwards."""
+def _wrapped_calls(layers, wrap):
+    """While open, each of `layers` runs `wrap(layer, call)` as its `call`
+    (`call`: the one it had, its class's or an instance wrapper such as a
+    scaled region's), which is put back afterwards."""
     saved = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in layers:
         own = layer.__dict__.get("call")
-        original = layer.call
-
-        def call(*args, _layer=layer, _call=original, **kwargs):
-            out = _call(*args, **kwargs)
-            record(_layer, args, kwargs, out)
-            return out
-
-        object.__setattr__(layer, "call", call)
+        object.__setattr__(layer, "call", wrap(layer, layer.call))
         saved.append((layer, own))
     try:
         yield
@@ -189,6 +181,21 @@ def _watching_calls(model, record):
             object.__delattr__(layer, "call")
             if own is not None:
                 object.__setattr__(layer, "call", own)
+
+
+def _watching_calls(model, record):
+    """While open, every layer inside `model` reports each call to
+    `record(layer, args, kwargs, outputs)`."""
+
+    def wrap(layer, original):
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            record(layer, args, kwargs, out)
+            return out
+
+        return call
+
+    return _wrapped_calls(model._flatten_layers(include_self=False, recursive=True), wrap)
 
 
 def propagation(model, inputs):
