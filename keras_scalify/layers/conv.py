@@ -112,7 +112,8 @@ class _ScaledConv(KernelBiasMixin, ScaledLayer):
 
     def _conv(self, x, w):
         return sops.conv(
-            x, w, self.strides, self.padding, self.data_format, self.dilation_rate
+            x, w, self.strides, self.padding, self.data_format, self.dilation_rate,
+            calibrated=(None, self._kernel.calibrated),
         )
 
     def call(self, inputs):
@@ -136,7 +137,7 @@ class _ScaledConv(KernelBiasMixin, ScaledLayer):
             bias = sops.cast(self._bias.read(rebalance=True), "float32")
             if self.data_format == "channels_first":
                 bias = sops.reshape(bias, (self.filters,) + (1,) * self.rank)
-            y = sops.add(y, bias)
+            y = sops.add(y, bias, calibrated=(None, self._bias.calibrated))
         if self._act is not None:
             y = self._act(y)
         return sops.cast(y, dtype)

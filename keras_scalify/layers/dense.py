@@ -21,29 +21,32 @@ from keras_scalify.layers.base import scaled_base_kwargs
 from keras_scalify.layers.base import to_float32
 
 
-def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False):
+def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=None):
     """`x @ w` (or an einsum) with the policy's casts: inputs cast to the
     matmul dtype forward (E4M3 under scaled_fp8), the output gradient cast
     to the grad dtype backward (E5M2). Output data in the compute dtype;
     `epilogue=True` (float32 work follows, `bias_and_activation`): an FP8
-    GEMM's output stays in float32, so the epilogue rounds it once."""
+    GEMM's output stays in float32, so the epilogue rounds it once.
+    `calibrated`: the weight's `ScaledVariable.calibrated` (a guessed grad
+    scale does not vote for the output's)."""
+    cal = None if calibrated is None else (None, calibrated)
     mm = layer.policy_dtype("matmul_dtype")
     gd = layer.policy_dtype("grad_dtype")
     if keras.src.backend.standardize_dtype(mm) in FP8_DTYPES:
         # One FP8 dispatch for the forward GEMM and both backward GEMMs.
         out = "float32" if epilogue else layer.compute_dtype
         if subscripts_or_none is None:
-            y = sops.fp8_matmul(x, w, mm, gd, out_dtype=out)
+            y = sops.fp8_matmul(x, w, mm, gd, out_dtype=out, calibrated=cal)
         else:
-            y = sops.fp8_einsum(subscripts_or_none, x, w, mm, gd, out_dtype=out)
+            y = sops.fp8_einsum(subscripts_or_none, x, w, mm, gd, out_dtype=out, calibrated=cal)
         layer._fp8_route = fp8.last_fp8_route()
         return y
     x = sops.cast_on_forward(x, mm)
     w = sops.cast_on_forward(w, mm)
     if subscripts_or_none is None:
-        y = sops.matmul(x, w)
+        y = sops.matmul(x, w, calibrated=cal)
     else:
-        y = sops.einsum(subscripts_or_none, x, w)
+        y = sops.einsum(subscripts_or_none, x, w, calibrated=cal)
     y = sops.cast_on_backward(y, gd)
     cd = layer.compute_dtype
     if y.dtype != keras.src.backend.standardize_dtype(cd):
@@ -59,7 +62,8 @@ def bias_and_activation(layer, y):
         return sops.cast(y, dtype)
     y = to_float32(y)
     if layer._bias is not None:
-        y = sops.add(y, sops.cast(layer._bias.read(rebalance=True), "float32"))
+        bias = sops.cast(layer._bias.read(rebalance=True), "float32")
+        y = sops.add(y, bias, calibrated=(None, layer._bias.calibrated))
     if layer._act is not None:
         y = layer._act(y)
     return sops.cast(y, dtype)
@@ -128,7 +132,9 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
                 f"`inputs` of {self.name} must have last dimension "
                 f"{self._kernel.shape[0]}, got shape {x.shape}."
             )
-        y = policy_matmul(self, None, x, self._kernel.read(), epilogue=True)
+        y = policy_matmul(
+            self, None, x, self._kernel.read(), epilogue=True, calibrated=self._kernel.calibrated
+        )
         return bias_and_activation(self, y)
 
     def compute_output_spec(self, inputs):

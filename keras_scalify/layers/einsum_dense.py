@@ -210,7 +210,10 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
     def call(self, inputs, training=None):
         x = cast_to_compute(self, inputs)
         self._check_input(tuple(x.shape))
-        y = policy_matmul(self, self._call_equation, x, self._kernel.read(), epilogue=True)
+        y = policy_matmul(
+            self, self._call_equation, x, self._kernel.read(), epilogue=True,
+            calibrated=self._kernel.calibrated,
+        )
         return bias_and_activation(self, y)
 
     def compute_output_shape(self, input_shape):

@@ -63,7 +63,7 @@ class ScaledEmbedding(ScaledLayer):
                     f"dimension {self.output_dim}, got shape {x.shape}."
                 )
             table = sops.transpose(self._embeddings.read())
-            return policy_matmul(self, None, x, table)
+            return policy_matmul(self, None, x, table, calibrated=self._embeddings.calibrated)
         if is_scaled(inputs):
             raise TypeError(
                 f"`inputs` of {self.name} must be integer token ids, got a "
@@ -196,7 +196,10 @@ class ScaledReversibleEmbedding(ScaledEmbedding):
             y = super().call(inputs, reverse=reverse)
         else:
             x = cast_to_compute(self, inputs)
-            y = policy_matmul(self, None, x, self._reverse_embeddings.read())
+            y = policy_matmul(
+                self, None, x, self._reverse_embeddings.read(),
+                calibrated=self._reverse_embeddings.calibrated,
+            )
         if reverse and self.logit_soft_cap is not None:
             cap = float(self.logit_soft_cap)
             y = sops.multiply(sops.tanh(sops.divide(y, cap)), cap)

@@ -168,9 +168,13 @@ class ScaledLayerNormalization(_ScaledNorm):
         # Normalized and scaled in float32, rounded once (`_finish`).
         y = sops.layer_normalization(x, axis=axes, epsilon=self.epsilon)
         if self._gamma is not None:
-            y = sops.multiply(y, self._param(self._gamma, y, axes, ndim))
+            y = sops.multiply(
+                y, self._param(self._gamma, y, axes, ndim), calibrated=(None, self._gamma.calibrated)
+            )
         if self._beta is not None:
-            y = sops.add(y, self._param(self._beta, y, axes, ndim))
+            y = sops.add(
+                y, self._param(self._beta, y, axes, ndim), calibrated=(None, self._beta.calibrated)
+            )
         return self._finish(y)
 
     def get_config(self):
@@ -246,7 +250,9 @@ class ScaledRMSNormalization(_ScaledNorm):
         x = self._rescaled_input(inputs)
         axes, ndim = self._call_axes(x), len(x.shape)
         y = sops.rms_normalization(x, axis=axes, epsilon=self.epsilon)
-        y = sops.multiply(y, self._param(self._scale, y, axes, ndim))
+        y = sops.multiply(
+            y, self._param(self._scale, y, axes, ndim), calibrated=(None, self._scale.calibrated)
+        )
         return self._finish(y)
 
     @classmethod

@@ -31,8 +31,12 @@ def read_tensor(variable):
 
 
 def effective_grad_scale(grad_scale, scale):
-    """The grad scale in use: `grad_scale`, or `1/scale` while it is 0."""
-    return ops.where(ops.greater(grad_scale, 0.0), grad_scale, 1.0 / scale)
+    """The grad scale in use: `|grad_scale|`, or `1/scale` while it is 0.
+
+    The state's sign says whether it was measured: > 0, the statistic of
+    the last gradient; < 0, moved without a measurement (the gradient was
+    all zero or non-finite); 0, never measured."""
+    return ops.where(ops.equal(grad_scale, 0.0), 1.0 / scale, ops.abs(grad_scale))
 
 
 def split_value(value):
@@ -51,8 +55,9 @@ class ScaledVariable:
       unit RMS at initialization, `autocast=False`;
     - `scale`: float32 scalar power of two: the initializer's RMS;
     - `grad_scale`: float32 scalar, the weight gradient's pow2 scale (the
-      cotangent of `data` is `true_gradient / grad_scale`); 0 means "not
-      calibrated", read as `1/scale` (the plain autodiff gradient of data).
+      cotangent of `data` is `true_gradient / |grad_scale|`); 0 means "not
+      calibrated", read as `1/scale` (the plain autodiff gradient of data);
+      negative, moved without a measurement (see `effective_grad_scale`).
 
     `scale` and `grad_scale` are trainable (when the weight is) with
     `overwrite_with_gradient=True` and no gradient of their own: only
@@ -147,6 +152,15 @@ class ScaledVariable:
         one = ops.ones((), "float32")
         data = rescale(data, one / k, one)
         return ScaledTensor(data, ops.where(nonzero, scale * k, 0.0), gs)
+
+    @property
+    def calibrated(self):
+        """Bool scalar: whether the weight's grad scale is the statistic of
+        its last gradient (not the `1/scale` guess, nor moved after an
+        all-zero or non-finite gradient). Contractions, `add` and
+        `multiply` take it as `calibrated=` so that a guess does not vote
+        for the grad scale of their output."""
+        return ops.greater(ops.stop_gradient(read_tensor(self.grad_scale)), 0.0)
 
     @property
     def value(self):

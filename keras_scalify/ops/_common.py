@@ -93,6 +93,37 @@ def pow2_mean(*scales):
     return pow2.pow2_from_exponent(mean)
 
 
+def votes(preds, calibrated):
+    """The predictions of an output's grad scale that count: an operand
+    whose grad scale was not measured (`calibrated[i]` false: a weight whose
+    gradient was never measured, or was last all zero or non-finite) takes
+    the mean of the others' instead of its own. A guess is off by whatever
+    its partner's scale is (2^100 for an input carried at 2^100), and its
+    vote would move the output's grad scale by half of that."""
+    if calibrated is None:
+        return preds
+    out = []
+    for i, (p, c) in enumerate(zip(preds, calibrated)):
+        others = [q for j, q in enumerate(preds) if j != i]
+        if c is None or c is True or not others:
+            out.append(p)
+        else:
+            out.append(ops.where(c, p, pow2_mean(*others)))
+    return out
+
+
+def check_calibrated(calibrated, n):
+    """`calibrated` (one bool per operand, or None) as a list."""
+    if calibrated is None:
+        return None
+    calibrated = list(calibrated)
+    if len(calibrated) != n:
+        raise ValueError(
+            f"`calibrated` needs one entry per operand ({n}), got {len(calibrated)}."
+        )
+    return calibrated
+
+
 def pow2_max(*scales):
     out = scales[0]
     for s in scales[1:]:

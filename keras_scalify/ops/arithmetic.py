@@ -13,6 +13,7 @@ from keras import ops
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_calibrated
 from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import grad_factor
 from keras_scalify.ops._common import is_static_scalar
@@ -23,6 +24,7 @@ from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops._common import votes
 
 
 def binary_operands(x1, x2):
@@ -42,26 +44,28 @@ def add_scale(sa, sb):
     return pow2.pow2_round_down(m * ops.sqrt(1.0 + r * r))
 
 
-def _add_sub(x1, x2, sign):
+def _add_sub(x1, x2, sign, calibrated=None):
     a, b = x1, x2
     sa, ga = scalars(a)
     sb, gb = scalars(b)
     s = add_scale(sa, sb)
-    g = pow2_mean(ga, gb)
+    g = pow2_mean(*votes([ga, gb], check_calibrated(calibrated, 2)))
     da = rescale(a.data, safe_div(sa, s), safe_div(g, ga))
     db = rescale(b.data, safe_div(sb, s), safe_div(g, gb))
     return ScaledTensor(da + sign * db, s, g)
 
 
-def add(x1, x2):
+def add(x1, x2, *, calibrated=None):
     """Rule: `s = P(sqrt(sa² + sb²))`, `d = a·sa/s + b·sb/s`; `g = mean(ga, gb)`.
 
     Example: `as_scaled(ones, 2) + as_scaled(ones, 4)` → scale 4, data 1.5.
+    `calibrated` (keyword, ours): one bool per operand, false where its grad
+    scale was not measured (`ScaledVariable.calibrated`): it does not vote.
     """
     ab = binary_operands(x1, x2)
     if ab is None:
         return ops.add(x1, x2)
-    return _add_sub(*ab, 1.0)
+    return _add_sub(*ab, 1.0, calibrated)
 
 
 def subtract(x1, x2):
@@ -80,10 +84,11 @@ def _static_gs(ga, k, power):
     return ga * np.float32(pow2.np_pow2_round_down(k) ** power)
 
 
-def multiply(x1, x2):
+def multiply(x1, x2, *, calibrated=None):
     """Rule: `s = sa·sb`, `d = a·b`; `g = mean(ga/sb, gb/sa)`.
 
     A Python scalar `k` is split exactly as `mantissa · P(k)`: `g = ga/P(k)`.
+    `calibrated`: as in `add`.
     """
     ab = binary_operands(x1, x2)
     if ab is None:
@@ -96,7 +101,7 @@ def multiply(x1, x2):
         sx, gx = scalars(x)
         g = _static_gs(gx, k, -1)
         return ScaledTensor(a.data * b.data, s, g)
-    g = pow2_mean(safe_div(ga, sb), safe_div(gb, sa))
+    g = pow2_mean(*votes([safe_div(ga, sb), safe_div(gb, sa)], check_calibrated(calibrated, 2)))
     da = scale_grad(a.data, grad_factor(s, g, sa, ga))
     db = scale_grad(b.data, grad_factor(s, g, sb, gb))
     return ScaledTensor(da * db, s, g)

@@ -19,9 +19,11 @@ from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_calibrated as _check_calibrated
 from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import grad_factor
 from keras_scalify.ops._common import pow2_mean
+from keras_scalify.ops._common import votes as _votes
 from keras_scalify.ops._common import promote
 from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import rescale
@@ -42,7 +44,10 @@ def _size(shape, name):
     return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
 
 
-def _contract(fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=None, quantized=False):
+def _contract(
+    fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=None, quantized=False,
+    calibrated=None,
+):
     """Apply `fn` to the data of `operands` with the contraction rule.
 
     With `gemms` (two operands; `keras_scalify.backend.gemm.Gemms`, float32
@@ -66,7 +71,7 @@ def _contract(fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=N
                 others = others * s_j
         preds.append(safe_div(sc[i][1], others * static_pow2_sqrt(n_i)))
         ns.append(n_i)
-    g = pow2_mean(*preds)
+    g = pow2_mean(*_votes(preds, calibrated))
     if gemms is not None:
         inv_r = np.float32(1.0 / r)
         factors = [ops.convert_to_tensor(inv_r)] + [
@@ -127,10 +132,13 @@ def _static_k(x, name):
     return int(k)
 
 
-def matmul(x1, x2):
+def matmul(x1, x2, *, calibrated=None):
     """Rule: `s = sa·sb·P(sqrt(K))`, `d = (a @ b)/P(sqrt(K))`, K = x1.shape[-1].
 
     Example: `(3,5)·2 @ (5,2)·4` → scale 16 (2·4·P(√5)=2), data 2.5 for ones.
+    `calibrated` (keyword, ours): one bool per operand, false where its grad
+    scale is a guess (`ScaledVariable.calibrated`); a guess does not vote
+    for the output's grad scale (see the module docstring).
     """
     ab = _operands(x1, x2)
     if ab is None:
@@ -139,6 +147,7 @@ def matmul(x1, x2):
     out_shape = ops.matmul(_spec(a), _spec(b)).shape
     return _contract(
         ops.matmul, [a, b], _static_k(a.data, "x1"), out_shape,
+        calibrated=_check_calibrated(calibrated, 2),
         **_gemm_args(_weight_equation(a, b), a, b),
     )
 
@@ -207,13 +216,14 @@ def _expand_ellipsis(term, ndim, free):
     return term.replace("...", "".join(next(free) for _ in range(n)))
 
 
-def einsum(subscripts, *operands, out_dtype=None):
+def einsum(subscripts, *operands, out_dtype=None, calibrated=None):
     """Rule: `s = Π s_i · P(sqrt(K))`, `d = einsum(data)/P(sqrt(K))`.
 
     K is the product of the sizes of the indices summed out (in an input,
     not in the output). `out_dtype` (ScaledTensor operands): the data dtype
     of the result, default the operands' result dtype; "float32" keeps the
-    GEMM's float32 accumulator for float32 work that follows.
+    GEMM's float32 accumulator for float32 work that follows. `calibrated`:
+    as in `matmul`.
     """
     if not isinstance(subscripts, str):
         raise TypeError(f"`subscripts` must be a string, got {subscripts!r}.")
@@ -234,16 +244,21 @@ def einsum(subscripts, *operands, out_dtype=None):
     extra = _gemm_args(_two_operand_equation(subscripts, xs), *xs) if len(xs) == 2 else {}
     if extra and out_dtype is not None:
         extra["out_dtype"] = out_dtype
-    out = _contract(fn, xs, k, out_shape, **extra)
+    calibrated = _check_calibrated(calibrated, len(xs))
+    out = _contract(fn, xs, k, out_shape, calibrated=calibrated, **extra)
     if out_dtype is not None and out.dtype != out_dtype:
         out = _cast(out, out_dtype)
     return out
 
 
-def conv(inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
+def conv(
+    inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1, *,
+    calibrated=None,
+):
     """Rule: as `matmul`, K the kernel's fan-in (`prod(kernel.shape[:-1])`,
     window × input channels per group): `s = sx·sw·P(sqrt(K))`,
-    `d = conv(data)/P(sqrt(K))`. Arguments as `keras.ops.conv`."""
+    `d = conv(data)/P(sqrt(K))`. Arguments as `keras.ops.conv`;
+    `calibrated` as in `matmul`."""
     check_input("inputs", inputs)
     check_input("kernel", kernel)
     if not (is_scaled(inputs) or is_scaled(kernel)):
@@ -256,7 +271,7 @@ def conv(inputs, kernel, strides=1, padding="valid", data_format=None, dilation_
         return ops.conv(a, b, strides, padding, data_format, dilation_rate)
 
     out_shape = fn(_spec(x), _spec(w)).shape
-    return _contract(fn, [x, w], k, out_shape)
+    return _contract(fn, [x, w], k, out_shape, calibrated=_check_calibrated(calibrated, 2))
 
 
 def _weight_equation(a, b):
@@ -308,7 +323,7 @@ def _matmul_equation(a_ndim, b_ndim):
 
 def fp8_einsum(
     subscripts, x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2",
-    route=None, out_dtype=None,
+    route=None, out_dtype=None, calibrated=None,
 ):
     """`einsum` with FP8 operands: the scale rule of `einsum`; the data is
     cast (saturating) to `forward_dtype` for the GEMM, accumulated in
@@ -316,7 +331,7 @@ def fp8_einsum(
     backward GEMMs, all through `keras_scalify.backend.fp8` (route "auto",
     "native" or "simulate"). Output data in `out_dtype` (default `x1`'s
     dtype; "float32" keeps the accumulator for an epilogue that rounds
-    once)."""
+    once). `calibrated` as in `matmul`."""
     from keras_scalify.backend import fp8
 
     out_dtype = _check_out_dtype(out_dtype)
@@ -331,16 +346,19 @@ def fp8_einsum(
         subscripts.replace(" ", ""), a.shape, b.shape, forward_dtype, backward_dtype, route
     )
     out_dtype = a.dtype if out_dtype is None else out_dtype
-    return _contract(None, [a, b], k, out_shape, gemms=gemms, out_dtype=out_dtype, quantized=True)
+    return _contract(
+        None, [a, b], k, out_shape, gemms=gemms, out_dtype=out_dtype, quantized=True,
+        calibrated=_check_calibrated(calibrated, 2),
+    )
 
 
 def fp8_matmul(
     x1, x2, forward_dtype="float8_e4m3fn", backward_dtype="float8_e5m2", route=None,
-    out_dtype=None,
+    out_dtype=None, calibrated=None,
 ):
     """`matmul` of an activation by a 2-D weight with FP8 operands (see
     `fp8_einsum`); the scale rule of `matmul`."""
     x1s = x1 if is_scaled(x1) else promote(x1, None, "x1")
     x2s = x2 if is_scaled(x2) else promote(x2, None, "x2")
     eq = _matmul_equation(len(x1s.shape), len(x2s.shape))
-    return fp8_einsum(eq, x1s, x2s, forward_dtype, backward_dtype, route, out_dtype)
+    return fp8_einsum(eq, x1s, x2s, forward_dtype, backward_dtype, route, out_dtype, calibrated)

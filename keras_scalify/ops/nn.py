@@ -3,6 +3,8 @@
 All are computed in float32 and cast back to the data dtype.
 """
 
+import math
+
 import numpy as np
 from keras import ops
 
@@ -72,24 +74,29 @@ def _normalize(x, axis, epsilon, center):
         epsilon = keras.config.epsilon()
     sa, ga = scalars(x)
     a = ops.cast(x.data, "float32")
-    # (X - E X)/sqrt(Var X + eps) == (a - E a)/sqrt(Var a + eps/sa²): exact,
-    # so the model is unchanged (the paper's variant drops the 1/sa²).
-    # (eps/sa)/sa, not eps/(sa·sa): sa² underflows float32 below 2^-63.
-    # Kept >= the smallest float32 normal: under a scale beyond ~2^60 it
-    # would underflow to 0, and a constant row (var 0) would give 0·inf.
-    inv = 1.0 / sa
+    # (X - E X)/sqrt(Var X + eps) == (a - E a)/sqrt(Var a + eps/sa²), with
+    # eps/sa² computed as (eps/sa)/sa (sa² underflows float32 below 2^-63).
+    # When eps dominates (sa < sqrt(eps)), eps/sa² may overflow: the factor
+    # q = P(sqrt(eps))/sa > 1 goes to the output's scale instead,
+    # `(a - E a)/sqrt(Var a/q² + eps/(sa·q)²) · (1/q)`, whose eps term is in
+    # [1, 4). With q = 1 (the usual case) the operations are keras.ops's,
+    # so the model is unchanged (the paper's variant drops eps/sa²). The eps
+    # term is kept >= the smallest float32 normal: under a scale beyond
+    # ~2^60 it would underflow to 0, and a constant row would give 0·inf.
+    q = ops.maximum(np.float32(pow2.np_pow2_round_down(math.sqrt(epsilon))) / sa, 1.0)
+    inv = 1.0 / (sa * q)
     eps_d = ops.maximum((epsilon * inv) * inv, 2.0**-126)
-    # Same operation order as keras.ops: pow2 scalings then commute exactly.
+    inv_q = 1.0 / q
     if center:
         mean, var = ops.moments(a, axes=_axes(axis), keepdims=True)
-        inv = ops.rsqrt(var + eps_d)
+        inv = ops.rsqrt((var * inv_q) * inv_q + eps_d)
         out = a * inv + (-mean * inv)
     else:
         ms = ops.mean(ops.square(a), axis=axis, keepdims=True)
-        out = a * ops.rsqrt(ms + eps_d)
-    # Backward: dX ~ dY/σ with σ ≈ sa (unit data) → g = ga·sa; the data
-    # cotangent is then plain autodiff (c = 1).
-    return ScaledTensor(ops.cast(out, x.dtype), ops.ones((), "float32"), ga * sa)
+        out = a * ops.rsqrt((ms * inv_q) * inv_q + eps_d)
+    # Backward: dX ~ dY/σ with σ ≈ sa·q (unit data) → g = ga·sa·q; the data
+    # cotangent is then plain autodiff (c = (g/q)/(ga·sa) = 1).
+    return ScaledTensor(ops.cast(out, x.dtype), inv_q, ga * sa * q)
 
 
 def _axes(axis):

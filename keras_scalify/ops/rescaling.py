@@ -92,6 +92,13 @@ def dynamic_rescale_max(x):
 # automatic loss scaling does: from grad scale 1, float16 gradients of 1e-8
 # are calibrated after two steps.
 RECOVERY_EXPONENT = 12
+# An all-zero cotangent lowers its grad scale (it may be an underflow), but
+# not below 2**-100: the pow2 factors built from grad scales need headroom
+# below float32's smallest normal (at 2**-126, a LayerNorm gamma whose
+# gradient was zero for many steps got a factor that flushed to zero, and
+# NaN gradients). A 16-bit cotangent more than 2**100 below its true units
+# reads as zero.
+ZERO_SEARCH_MIN_EXPONENT = -100
 
 
 def next_grad_scale(g, g_out, statistic):
@@ -108,11 +115,16 @@ def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     `zero_may_be_underflow=False` (a float32 cotangent, whose every value
     would have to be below 2**-149 to vanish): an all-zero cotangent is a
     true zero (an unused weight, a dead unit), so the grad scale is kept
-    rather than lowered towards the floor."""
+    rather than lowered towards the floor. Otherwise it is lowered by
+    2**12, not below 2**-100 (`ZERO_SEARCH_MIN_EXPONENT`)."""
     finite = ops.isfinite(stat)
     e_out = pow2.pow2_exponent(g_out)
     e_stat = pow2.pow2_exponent(ops.where(finite, stat, ops.ones_like(stat)))
-    e_zero = e_out - RECOVERY_EXPONENT if zero_may_be_underflow else e_out
+    if zero_may_be_underflow:
+        floor = ops.minimum(e_out, ZERO_SEARCH_MIN_EXPONENT)
+        e_zero = ops.maximum(e_out - RECOVERY_EXPONENT, floor)
+    else:
+        e_zero = e_out
     e_new = ops.where(ops.greater(stat, 0.0), e_out + e_stat, e_zero)
     e_new = ops.where(finite, e_new, e_out + RECOVERY_EXPONENT)
     return pow2.pow2_from_exponent(e_new)

@@ -303,7 +303,12 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                     stat = data_statistic(g, "l2")
                     # A float32 gradient cannot underflow to all zeros.
                     underflows = keras.backend.standardize_dtype(g.dtype) != "float32"
-                    always.append((sv.grad_scale, grad_scale_from_statistic(stat, gs, underflows)))
+                    # Stored negative when not measured (an all-zero or
+                    # non-finite gradient): it then no longer votes for the
+                    # grad scales of its layer's outputs (`votes`).
+                    new_gs = grad_scale_from_statistic(stat, gs, underflows)
+                    measured = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
+                    always.append((sv.grad_scale, ops.where(measured, new_gs, -new_gs)))
                     finite = ops.logical_and(finite, ops.isfinite(stat * gs))
                     # `ops.multiply`, not `*`: on TensorFlow an Embedding's
                     # gradient is a `tf.IndexedSlices` (one row per token,
