@@ -1,4 +1,5 @@
-"""Smoke tests of `benchmarks/step_time.py`, `benchmarks/stats_count.py`
+"""Smoke tests of `benchmarks/step_time.py`, `benchmarks/stats_count.py`,
+`benchmarks/reliability.py`
 and `benchmarks/fp8_matmul.py` on the current backend, with tiny sizes
 (seconds, not minutes)."""
 
@@ -142,3 +143,14 @@ def test_hub_coverage_table(capsys):
     assert calls == 14 and handed_on >= 8
     by_rule, decoded = (int(v) for v in row["ops"].split(" / "))
     assert by_rule > 0 and decoded == 0
+
+
+def test_reliability_rows():
+    """`benchmarks/reliability.py`: the quick rows on this backend (the
+    README's table runs them all)."""
+    rel = _load("reliability")
+    for what, n, result in rel.saturation() + rel.bad_input():
+        assert result in ("ok", f"{n}/{n}"), what
+    assert rel._skipped_bit_for_bit("scaled_fp8", rel.FAULTS[1][1])
+    ((_, n, result),) = rel.tiny_inputs_fp8(steps=20, bias=-10.0)
+    assert int(result) == 0
