@@ -61,10 +61,31 @@ def einsum_f32(equation, a, b):
         import jax.numpy as jnp
 
         return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
-    out = ops.einsum(equation, a, b)
+    transposes = _matrix_product(equation)
+    if transposes is None:
+        out = ops.einsum(equation, a, b)
+    else:
+        # A product of two matrices: `matmul` (torch runs a 2-D einsum as a
+        # batched GEMM of batch 1, with copies around it).
+        ta, tb = transposes
+        out = ops.matmul(ops.transpose(a) if ta else a, ops.transpose(b) if tb else b)
     if standardize_dtype(out.dtype) != "float32":
         out = ops.cast(out, "float32")
     return out
+
+
+def _matrix_product(equation):
+    """`(transpose a, transpose b)` when `equation` is a product of two
+    matrices ("mk,kn->mn" and its transposed forms), else None."""
+    ins, out = equation.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    if len(a) != 2 or len(b) != 2 or len(out) != 2 or len(set(a + b)) != 3:
+        return None
+    (k,) = set(a) & set(b)
+    m, n = a.replace(k, ""), b.replace(k, "")
+    if out != m + n:
+        return None
+    return a[0] == k, b[1] == k
 
 
 MATMUL_2D = "mk,kn->mn"

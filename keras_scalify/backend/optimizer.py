@@ -15,6 +15,10 @@ things make that work on every backend:
   optimizer makes every write a `Variable.assign`, which a `StatelessScope`
   records. EMA overwrites are selected with `ops.where` instead of
   `ops.cond` (a TensorFlow cond branch cannot record scope updates).
+- `host_bool`: on eager PyTorch, a bool tensor read once on the host (as
+  Keras's `LossScaleOptimizer` does there through `ops.cond`), so a
+  finite step writes its updates without selects and a skipped one writes
+  none; JAX, TensorFlow graphs and `torch.compile` keep the tensor.
 - `GuardedScope`: a `keras.StatelessScope` whose every recorded update is
   `where(guard, new, old)`. A skipped step then leaves the inner
   optimizer's slots unchanged *within* the update, so its weight update
@@ -24,6 +28,7 @@ things make that work on every backend:
 """
 
 
+import contextlib
 import types
 
 import keras
@@ -63,9 +68,52 @@ def is_ghost(variable):
 
 def use_generic_updates(optimizer):
     """Make `optimizer` write every update through `Variable.assign`."""
+    optimizer._ksc_native = {
+        name: getattr(optimizer, name)
+        for name in _NATIVE
+        if getattr(type(optimizer), name) is not getattr(BaseOptimizer, name)
+    }
     for name in _GENERIC:
         setattr(optimizer, name, types.MethodType(getattr(BaseOptimizer, name), optimizer))
     optimizer._backend_apply_gradients = types.MethodType(_apply_gradients, optimizer)
+
+
+# The torch optimizers' own update: `torch._foreach_*` in place on each
+# variable's `.value` (in a StatelessScope, the mapped tensor).
+_NATIVE = ("_backend_update_step", "_apply_weight_decay")
+
+
+@contextlib.contextmanager
+def native_updates(optimizer, guard):
+    """On eager PyTorch with `guard` True (the step is taken): `optimizer`
+    runs Keras's own in-place `torch._foreach_*` update on the values the
+    scope maps (decoded weights and slots, tensors of this step), instead of
+    one `Variable.assign` per slot and per pass (2.4x the plain Keras MLP
+    step). Elsewhere the generic updates stay: JAX and TensorFlow have no
+    such path, and a guard that is a tensor needs recorded assignments."""
+    native = getattr(optimizer, "_ksc_native", {})
+    if guard is not True or keras.backend.backend() != "torch" or not native:
+        yield
+        return
+    generic = {name: optimizer.__dict__[name] for name in native}
+    optimizer.__dict__.update(native)
+    try:
+        yield
+    finally:
+        optimizer.__dict__.update(generic)
+
+
+def host_bool(x):
+    """`x` (a bool scalar tensor) as a Python bool on eager PyTorch, where
+    every select over a weight is a full pass of its own (4 per weight per
+    step: 1/3 of an MLP step); None elsewhere (keep the tensor)."""
+    if keras.backend.backend() != "torch":
+        return None
+    import torch
+
+    if torch.compiler.is_compiling():
+        return None
+    return bool(x)
 
 
 class GuardedScope(keras.StatelessScope):
@@ -79,7 +127,7 @@ class GuardedScope(keras.StatelessScope):
     def add_update(self, update):
         variable, value = update
         old = self.get_current_value(variable)
-        if old is not None:
+        if old is not None and self.guard is not True:
             value = ops.where(self.guard, value, old)
         super().add_update((variable, value))
 

@@ -10,7 +10,9 @@ from keras.src.utils import tracking
 
 from keras_scalify.backend.optimizer import ghost_variable
 from keras_scalify.backend.optimizer import is_ghost
+from keras_scalify.backend.optimizer import native_updates
 from keras_scalify.backend.optimizer import GuardedScope
+from keras_scalify.backend.optimizer import host_bool
 from keras_scalify.backend.optimizer import use_generic_updates
 from keras_scalify.layers.variable import effective_grad_scale
 from keras_scalify.layers.variable import read_tensor
@@ -320,6 +322,19 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 finite = ops.logical_and(finite, ops.all(ops.isfinite(g)))
             inner_grads.append(g)
 
+        # Eager torch decides on the host (one read per step); a skipped
+        # step then writes nothing but the grad scales and counters.
+        guard = host_bool(finite)
+        if guard is not False:
+            self._update(weights, inner_grads, finite if guard is None else True)
+        for var, value in always:
+            var.assign(value)
+        self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
+        self._iterations.assign_add(1)
+
+    def _update(self, weights, inner_grads, guard):
+        """The inner optimizer's step and the re-encoded weights and slots,
+        each write selected by `guard` (a bool tensor, or True)."""
         inner = self.inner_optimizer
         mapping = [(ghost, value) for _, ghost, value in weights]
         mapping += [(v, read_tensor(v)) for kind, _, v in self._entries if kind == "plain"]
@@ -327,15 +342,18 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         inner_real = [v for v in inner.variables if not is_ghost(v)]
         mapping += [(v, read_tensor(v)) for v in inner_real]
         # Every value the inner optimizer writes is already selected by
-        # `finite`; only re-encoded values are selected again.
-        with GuardedScope(finite, state_mapping=mapping, initialize_variables=False) as scope:
-            inner.apply(inner_grads, self._inner_vars)
+        # `guard`; only re-encoded values are selected again.
+        with GuardedScope(guard, state_mapping=mapping, initialize_variables=False) as scope:
+            with native_updates(inner, guard):
+                inner.apply(inner_grads, self._inner_vars)
         new = scope.get_current_value
 
         def commit(var, value):
-            var.assign(ops.where(finite, value, read_tensor(var)))
+            var.assign(value if guard is True else ops.where(guard, value, read_tensor(var)))
 
         rescale = ops.equal(self._iterations % self.rescale_every, 0)
+        known = host_bool(rescale)
+        rescale = rescale if known is None else known
         new_scales = [
             read_tensor(sv.scale) * state.rescale_factor(read_tensor(sv.data), rescale)
             for sv, _, _ in weights
@@ -357,10 +375,6 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             commit(s, scale)
         for v in inner_real:
             v.assign(new(v))
-        for var, value in always:
-            var.assign(value)
-        self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
-        self._iterations.assign_add(1)
 
     def _rounding_keys(self, weights):
         """One int32 stochastic-rounding key per weight (None: round to

@@ -36,8 +36,11 @@ def rms(x):
 
 
 def rescale_factor(data, rescale):
-    """`P(rms(data))` of the stored `data` when the bool tensor `rescale`
-    is true, else 1; the RMS is only computed on such steps."""
+    """`P(rms(data))` of the stored `data` when `rescale` (a bool tensor,
+    or a Python bool on eager torch) is true, else 1; the RMS is only
+    computed on such steps."""
+    if isinstance(rescale, bool):
+        return _valid_pow2(rms(data)) if rescale else ops.ones((), "float32")
     return ops.cond(
         rescale, lambda: _valid_pow2(rms(data)), lambda: ops.ones((), "float32")
     )
