@@ -25,13 +25,25 @@ _SIGN_MASK = -0x80000000  # 0x80000000 as int32
 _ONE_BITS = 0x3F800000
 
 
+def as_dtype(x, dtype):
+    """`x` as a tensor of `dtype`; a tensor that already is one is returned
+    as is (eager torch pays a dispatch and a kernel launch per no-op cast,
+    and scale arithmetic makes thousands per step)."""
+    from keras.src.backend import standardize_dtype
+
+    if ops.is_tensor(x) and standardize_dtype(x.dtype) == dtype:
+        return x
+    return ops.cast(ops.convert_to_tensor(x), dtype)
+
+
 def _as_f32(x):
-    x = ops.convert_to_tensor(x)
+    if not ops.is_tensor(x):
+        x = ops.convert_to_tensor(x)
     if not _is_float(x.dtype):
         raise TypeError(
             f"Expected a floating-point tensor, got dtype {x.dtype}."
         )
-    return ops.cast(x, "float32")
+    return as_dtype(x, "float32")
 
 
 def _is_float(dtype):
@@ -52,7 +64,7 @@ def _bits(x):
 
 
 def _from_bits(b):
-    return ops.view(ops.cast(b, "int32"), "float32")
+    return ops.view(as_dtype(b, "int32"), "float32")
 
 
 def _subnormal_pow2_bits(mant):
@@ -158,5 +170,5 @@ def pow2_exponent(x):
 
 def pow2_from_exponent(e):
     """`2**e` as float32 for int32 `e`, clamped to [-126, 127] (exact)."""
-    e = ops.clip(ops.cast(e, "int32"), -126, 127)
+    e = ops.clip(as_dtype(e, "int32"), -126, 127)
     return _from_bits(ops.left_shift(e + 127, 23))

@@ -30,7 +30,7 @@ def _mul_pow2(x, factor):
     dtype = standardize_dtype(x.dtype)
     if dtype in _LOW:
         return ops.cast(ops.multiply(ops.cast(x, "float32"), factor), dtype)
-    return ops.multiply(x, ops.cast(factor, dtype))
+    return ops.multiply(x, pow2.as_dtype(factor, dtype))
 
 
 def _upstream(args, upstream):
@@ -58,7 +58,7 @@ def _rescale_bwd(x, bwd):
 
 
 def _f32(v):
-    return ops.stop_gradient(ops.convert_to_tensor(v, "float32"))
+    return ops.stop_gradient(pow2.as_dtype(v, "float32"))
 
 
 def rescale(x, fwd, bwd):
