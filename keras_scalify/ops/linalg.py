@@ -4,7 +4,8 @@ Rule (jax-scalify's `dot_general`, generalised to batch dims and einsum):
 `s = Π s_i · r` and `d = contraction(data) / r` with `r = P(sqrt(K))`, K the
 contracted size. Gradient scale (inverse unit-scaling backward rule): the
 backward of operand i contracts `n_i = size(out)·K/size(i)` elements, so
-`g = mean_i(g_i / (Π_{j≠i} s_j · P(sqrt(n_i))))`.
+`g = mean_i(g_i / (Π_{j≠i} s_j · P(sqrt(n_i))))`, over the operands whose
+grad scale was measured (`calibrated=`; a weight's guess does not vote).
 """
 
 import string
@@ -137,8 +138,8 @@ def matmul(x1, x2, *, calibrated=None):
 
     Example: `(3,5)·2 @ (5,2)·4` → scale 16 (2·4·P(√5)=2), data 2.5 for ones.
     `calibrated` (keyword, ours): one bool per operand, false where its grad
-    scale is a guess (`ScaledVariable.calibrated`); a guess does not vote
-    for the output's grad scale (see the module docstring).
+    scale is not a measurement (`ScaledVariable.calibrated`); it does not
+    vote for the output's grad scale (`ops._common.votes`).
     """
     ab = _operands(x1, x2)
     if ab is None:

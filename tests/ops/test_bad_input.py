@@ -238,3 +238,12 @@ def test_binary_ops_promote_mixed_data_dtypes():
         out = op(a, b)
         assert out.dtype == "float32"
         np.testing.assert_allclose(keras.ops.convert_to_numpy(ksc.to_array(out)), expected)
+
+
+def test_calibrated_needs_one_entry_per_operand():
+    a = ksc.as_scaled(np.ones((2, 3), "float32"))
+    b = ksc.as_scaled(np.ones((3, 4), "float32"))
+    with pytest.raises(ValueError, match="`calibrated`"):
+        ksc.ops.matmul(a, b, calibrated=(True,))
+    with pytest.raises(ValueError, match="`calibrated`"):
+        ksc.ops.add(a, a, calibrated=(True, True, True))
