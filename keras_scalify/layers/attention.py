@@ -20,6 +20,7 @@ from keras_scalify.layers.einsum_dense import check_unsupported
 from keras_scalify.layers.einsum_dense import plain_policy
 from keras_scalify.layers.einsum_dense import plain_shape
 from keras_scalify.layers.merging import ScaledDropout
+from keras_scalify.ops.linalg import operand_grad_scale
 
 # The value masked attention scores take, as in `keras.layers.Softmax`.
 _MASK_VALUE = -1e9
@@ -302,6 +303,13 @@ class ScaledMultiHeadAttention(ScaledLayer):
         self._query_dense.build(query_shape)
         self._key_dense = self._projection("key", len(key_shape), [heads, self._key_dim])
         self._key_dense.build(key_shape)
+        # The inputs of the query and key projections also feed the values
+        # (self-attention: one tensor for all three), whose path their grad
+        # scale measures; once measured, the kernels' own grad scales
+        # predict the cotangents of q and k (∝ the scores' gradient, which
+        # is 2^(2k) off the values' path for inputs at 2^k).
+        self._query_dense._input_votes_when_calibrated = False
+        self._key_dense._input_votes_when_calibrated = False
         if self._use_gate:
             self._gate_dense = self._projection(
                 "gate", len(query_shape), [heads, self._value_dim], activation="sigmoid"
@@ -401,20 +409,17 @@ class ScaledMultiHeadAttention(ScaledLayer):
         return sops.reshape(sops.softmax(flat, axis=-1), shape)
 
     def _masked_softmax(self, scores, attention_mask=None):
-        """Softmax of `scores` in float32, masked; probabilities in the
-        compute dtype."""
-        dtype = keras.src.backend.standardize_dtype(self.compute_dtype)
+        """Softmax of `scores` in float32, masked; float32 probabilities."""
         scores = sops.cast(scores, "float32")
         if attention_mask is None:
-            return sops.cast(self._softmax(scores), dtype)
+            return self._softmax(scores)
         axis = -len(self._attention_axes) * 2 - 1
         for _ in range(len(scores.shape) - len(attention_mask.shape)):
             attention_mask = ops.expand_dims(attention_mask, axis=axis)
         masked = sops.where(attention_mask, scores, self._mask_fill(scores))
         probs = self._softmax(masked)
         # Fully masked rows: zeros rather than a uniform distribution.
-        probs = sops.where(attention_mask, probs, 0.0)
-        return sops.cast(probs, dtype)
+        return sops.where(attention_mask, probs, 0.0)
 
     # --- call -----------------------------------------------------------------
     def _check_inputs(self, query, value, key):
@@ -447,6 +452,14 @@ class ScaledMultiHeadAttention(ScaledLayer):
         scores = sops.einsum(self._dot_product_equation, key, query, out_dtype="float32")
         scores = sops.multiply(scores, self._inverse_sqrt_key_dim)
         scores = self._masked_softmax(scores, attention_mask)
+        # The probabilities' cotangent is `d(out)·vᵀ`: its grad scale comes
+        # from the values' side of the combination, not from the scores'
+        # (softmax saturates at large scores, and the q/k rules cannot see
+        # the values' scale). Set in float32, before the rounding to the
+        # compute dtype, so the softmax backward converts any ratio.
+        g = operand_grad_scale(self._combine_equation, (scores, value), 0)
+        scores = sops.with_grad_scale(scores, g)
+        scores = sops.cast(scores, keras.src.backend.standardize_dtype(self.compute_dtype))
         if self._dropout > 0.0:
             final = self._dropout_layer(scores, training=training)
         else:

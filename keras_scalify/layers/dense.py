@@ -1,6 +1,7 @@
 """ScaledDense: `keras.layers.Dense` on ScaledTensors."""
 
 import keras
+from keras import ops
 
 from keras_scalify import ops as sops
 from keras_scalify.backend import fp8
@@ -28,8 +29,12 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
     `epilogue=True` (float32 work follows, `bias_and_activation`): an FP8
     GEMM's output stays in float32, so the epilogue rounds it once.
     `calibrated`: the weight's `ScaledVariable.calibrated` (a guessed grad
-    scale does not vote for the output's)."""
+    scale does not vote for the output's). A layer whose
+    `_input_votes_when_calibrated` is False takes a calibrated weight's
+    prediction alone (see `ScaledMultiHeadAttention`)."""
     cal = None if calibrated is None else (None, calibrated)
+    if calibrated is not None and not getattr(layer, "_input_votes_when_calibrated", True):
+        cal = (ops.logical_not(calibrated), calibrated)
     mm = layer.policy_dtype("matmul_dtype")
     gd = layer.policy_dtype("grad_dtype")
     if keras.src.backend.standardize_dtype(mm) in FP8_DTYPES:

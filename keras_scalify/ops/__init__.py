@@ -82,6 +82,7 @@ from keras_scalify.ops.rescaling import dynamic_rescale_l2
 from keras_scalify.ops.rescaling import dynamic_rescale_l2_grad
 from keras_scalify.ops.rescaling import dynamic_rescale_max
 from keras_scalify.ops.rescaling import dynamic_rescale_max_grad
+from keras_scalify.ops.rescaling import with_grad_scale
 
 # Called on symbolic tensors (`keras.Input`), each function above runs as a
 # Keras Operation node (`keras_scalify.ops.symbolic`), as `keras.ops` do.

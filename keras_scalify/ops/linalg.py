@@ -45,6 +45,43 @@ def _size(shape, name):
     return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
 
 
+def _others_scale(sc, i):
+    out = np.float32(1.0)
+    for j, (s_j, _) in enumerate(sc):
+        if j != i:
+            out = out * s_j
+    return out
+
+
+def _predictions(operands, sc, k, size_out):
+    """Each operand's prediction of the output's grad scale (the inverse
+    unit-scaling rule: the one that makes its cotangent unit when the
+    output's is), `g_i / (Π_{j≠i} s_j · P(sqrt(n_i)))`, with `n_i` the size
+    its backward GEMM contracts; returns (predictions, n_i)."""
+    preds, ns = [], []
+    for i, x in enumerate(operands):
+        n_i = max(size_out * k // max(_size(x.shape, f"x{i + 1}"), 1), 1)
+        preds.append(safe_div(sc[i][1], _others_scale(sc, i) * static_pow2_sqrt(n_i)))
+        ns.append(n_i)
+    return preds, ns
+
+
+def operand_grad_scale(subscripts, operands, i):
+    """The grad scale of `operands[i]` predicted from the other operands of
+    `einsum(subscripts, *operands)`: the one at which its own prediction of
+    the output's grad scale equals theirs, `pred_others · Π_{j≠i} s_j ·
+    P(sqrt(n_i))`. For an operand whose cotangent the rules upstream cannot
+    predict (attention's probabilities: `dP = d(out)·vᵀ`); apply it with
+    `with_grad_scale`."""
+    xs = list(operands)
+    k = _parse_einsum(subscripts, [x.shape for x in xs])
+    out_shape = ops.einsum(subscripts, *[_spec(x) for x in xs]).shape
+    sc = [scalars(x) for x in xs]
+    preds, ns = _predictions(xs, sc, k, _size(out_shape, "output"))
+    others = pow2_mean(*[p for j, p in enumerate(preds) if j != i])
+    return others * _others_scale(sc, i) * np.float32(static_pow2_sqrt(ns[i]))
+
+
 def _contract(
     fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=None, quantized=False,
     calibrated=None,
@@ -63,15 +100,7 @@ def _contract(
     for s_i, _ in sc[1:]:
         scale = scale * s_i
     scale = scale * r
-    preds, ns = [], []
-    for i, x in enumerate(operands):
-        n_i = max(size_out * k // max(_size(x.shape, f"x{i + 1}"), 1), 1)
-        others = np.float32(1.0)
-        for j, (s_j, _) in enumerate(sc):
-            if j != i:
-                others = others * s_j
-        preds.append(safe_div(sc[i][1], others * static_pow2_sqrt(n_i)))
-        ns.append(n_i)
+    preds, ns = _predictions(operands, sc, k, size_out)
     g = pow2_mean(*_votes(preds, calibrated))
     if gemms is not None:
         inv_r = np.float32(1.0 / r)

@@ -22,6 +22,8 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.ops._common import _mul_pow2
 from keras_scalify.ops._common import promote
 from keras_scalify.ops._common import rescale
+from keras_scalify.ops._common import safe_div
+from keras_scalify.ops._common import scale_grad
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import stop
 
@@ -140,6 +142,22 @@ def rebalance(x, factor):
     one = ops.ones((), "float32")
     data = rescale(x.data, f, one)
     return ScaledTensor(data, stop(x.scale) / f, x.grad_scale)
+
+
+def with_grad_scale(x, grad_scale):
+    """Rule: `g = grad_scale` (a float32 power of two, or 0 for "keep
+    `ga`"); scale and data unchanged.
+
+    Backward: the cotangent is re-expressed in `ga` units (`·g/ga`, exact,
+    in the data's dtype, so a float32 tensor takes any pow2 ratio). For a
+    grad scale predicted by an op downstream rather than by the rules
+    upstream (attention's probabilities, whose cotangent is the values'
+    business, not the scores')."""
+    x = promote(x, None, "x")
+    _, ga = scalars(x)
+    g = stop(ops.convert_to_tensor(grad_scale, "float32"))
+    g = ops.where(ops.greater(g, 0.0), g, ga)
+    return ScaledTensor(scale_grad(x.data, safe_div(g, ga)), x.scale, g)
 
 
 def _delayed_fn(statistic):

@@ -20,6 +20,14 @@ KS = [-100, -60, -20, 0, 20, 60, 100]
 # float32 scale holds for |2k| < 126.
 KS_ATTENTION = [-60, -40, -20, 0, 20, 40, 60]
 TOL = {"scaled_float32": 1e-5, "scaled_fp16": 5e-3, "scaled_fp8": 0.1}
+# Attention rounds x, the kernels, q, k, the probabilities and v to E4M3
+# (relative step 2^-3) on a tiny case (B·T = 6 rows), and its softmax
+# amplifies logit errors: 0.1-0.19 off float64. Still far below the 0.5 of
+# a wrong power of two, and inf/NaN/0 fail. FP8 at k > 0 is left out: the
+# logits are ~2^(2k), and E4M3's step on q and k moves them by far more
+# than 1, so which key wins a near-tie changes (torch at k = 20: output
+# 0.23 off float64, input gradient 0.46): FP8 attention, not the scales.
+ATTENTION_FP8_TOL = 0.25
 B, T, D, H, KD = 2, 3, 8, 2, 4
 
 
@@ -160,28 +168,60 @@ def _case(name, policy, k, rng):
     return layer, x0, ct, call, refs
 
 
-@pytest.mark.parametrize("name,policy,k", [(n, p, k) for n in ("dense", "layer_norm") for p in TOL for k in KS])
+def _tol(name, policy):
+    return ATTENTION_FP8_TOL if (name, policy) == ("attention", "scaled_fp8") else TOL[policy]
+
+
+def _checked_weights(name, policy, k, dw_ref):
+    """Reference weight gradients the test compares. Left out: weights
+    whose true gradient is below float32's range (attention's query/key
+    kernels at 2^-60: ~1e-54), and, in 16-bit and FP8, attention's
+    query/key kernels once the softmax saturates (k > 0): their gradients
+    (2^-80 at k = 5) are set by probabilities of e^-50, whose logits
+    (~2^(2k)) float16 q and k round by ~0.25."""
+    out = {}
+    for n, g in dw_ref.items():
+        if np.sqrt(np.mean(g**2)) <= 1e-30:
+            continue
+        if name == "attention" and policy != "scaled_float32" and k > 0 and n.split("/")[0] in ("query", "key"):
+            continue
+        out[n] = g
+    return out
+
+
+CASES = [
+    (n, p, k)
+    for n, (_, _, _, ks) in LAYERS.items()
+    for p in TOL
+    for k in ks
+    if not (n, p) == ("attention", "scaled_fp8") or k <= 0
+]
+
+
+@pytest.mark.parametrize("name,policy,k", CASES)
 def test_extreme_magnitudes_match_float64_once_grad_scales_are_measured(name, policy, k, rng):
     layer, x0, ct, call, (y_ref, dx_ref, dw_ref) = _case(name, policy, k, rng)
     gx = _calibrate(layer, dx_ref, dw_ref)
     y, dx, dw = _run(layer, x0, k, ct, call, gx)
-    tol = TOL[policy]
+    tol = _tol(name, policy)
     assert _rel(y, y_ref) < tol, ("forward", _rel(y, y_ref))
     assert _rel(dx, dx_ref) < tol, ("input gradient", _rel(dx, dx_ref))
     assert set(dw_ref) <= set(dw)
-    for n, g in dw_ref.items():
+    for n, g in _checked_weights(name, policy, k, dw_ref).items():
         assert _rel(dw[n], g) < tol, (n, _rel(dw[n], g))
 
 
-@pytest.mark.parametrize("policy,k", [(p, k) for p in TOL for k in KS])
-def test_a_fresh_dense_layer_gives_exact_input_gradients_at_any_magnitude(policy, k, rng):
-    """Before any measurement: a weight's guessed grad scale does not vote
-    for the output's (it used to put the output cotangent at 2^(k/2) in
-    float16 data: inf at k >= 40, 0 at k <= -40)."""
-    layer, x0, ct, call, (y_ref, dx_ref, _) = _case("dense", policy, k, rng)
+@pytest.mark.parametrize("name,policy,k", [c for c in CASES if c[0] != "layer_norm"])
+def test_a_fresh_layer_gives_exact_input_gradients_at_any_magnitude(name, policy, k, rng):
+    """Before any measurement. Dense: a weight's guessed grad scale does not
+    vote for the output's (it used to put the output cotangent at 2^(k/2)
+    in float16 data: inf at k >= 40, 0 at k <= -40). Attention: the
+    probabilities take their grad scale from the values' side (the scores'
+    rules put it 2^(2k) off: inf in float16 from k = 5, 0 below k = -40)."""
+    layer, x0, ct, call, (y_ref, dx_ref, _) = _case(name, policy, k, rng)
     y, dx, _ = _run(layer, x0, k, ct, call)
-    assert _rel(y, y_ref) < TOL[policy]
-    assert _rel(dx, dx_ref) < TOL[policy]
+    assert _rel(y, y_ref) < _tol(name, policy)
+    assert _rel(dx, dx_ref) < _tol(name, policy)
 
 
 @pytest.mark.parametrize("policy,k", [(p, k) for p in TOL for k in KS])
@@ -197,29 +237,3 @@ def test_layer_norm_where_epsilon_dominates(policy, k, rng):
     ref = x0.astype(np.float64) * 2.0**k
     ref = (ref - ref.mean(-1, keepdims=True)) / np.sqrt(ref.var(-1, keepdims=True) + 1e-3)
     assert _rel(y_norm, ref) < 1e-5 or np.abs(ref).max() < 1e-30
-
-
-# FP8 at k > 0 is left out: the logits are ~2^(2k), and E4M3's relative
-# step (2^-3) on q and k moves them by far more than 1, so which key wins a
-# near-tie changes (23% off float64 on torch at k = 20): FP8 attention
-# itself, not the scales.
-@pytest.mark.parametrize(
-    "policy,k", [(p, k) for p in TOL for k in KS_ATTENTION if not (p == "scaled_fp8" and k > 0)]
-)
-def test_attention_forward_at_extreme_magnitudes(policy, k, rng):
-    layer, x0, ct, call, (y_ref, _, _) = _case("attention", policy, k, rng)
-    y, _, _ = _run(layer, x0, k, ct, call)
-    assert _rel(y, y_ref) < TOL[policy]
-
-
-@pytest.mark.parametrize("k", KS_ATTENTION)
-def test_attention_float32_gradients_at_extreme_magnitudes(k, rng):
-    """scaled_float32, measured grad scales. Weights whose true gradient is
-    below float32's range (query/key kernels at 2^-60: ~1e-54) are left out."""
-    layer, x0, ct, call, (y_ref, dx_ref, dw_ref) = _case("attention", "scaled_float32", k, rng)
-    gx = _calibrate(layer, dx_ref, dw_ref)
-    _, dx, dw = _run(layer, x0, k, ct, call, gx)
-    assert _rel(dx, dx_ref) < 1e-5
-    for n, g in dw_ref.items():
-        if np.sqrt(np.mean(g**2)) > 1e-30:
-            assert _rel(dw[n], g) < 1e-5, n

@@ -137,6 +137,13 @@ OPS = [
         None,
     ),
     (
+        "with_grad_scale",
+        lambda a: ksc.ops.with_grad_scale(a, 2.0**-30),
+        lambda a: a,
+        1,
+        None,
+    ),
+    (
         "cast_on_backward_f32",
         lambda a: ksc.ops.cast_on_backward(a, "float32"),
         lambda a: a,

@@ -767,6 +767,19 @@ GRAD_RULES = [
         [gs(1, 2, 4.0, (4, 8)), gs(1, 4, 2.0**-3, (8, 16))],
         2.0**-4,
     ),
+    # with_grad_scale: g = the given power of two; 0 keeps ga
+    ("with_grad_scale", lambda x: kops.with_grad_scale(x, 2.0**-40), [gs(1, 2, 8.0, (2,))], 2.0**-40),
+    ("with_grad_scale_0", lambda x: kops.with_grad_scale(x, 0.0), [gs(1, 2, 8.0, (2,))], 8.0),
+    # the grad scale of a (4,8) operand predicted from its (8,16) partner:
+    # g_b/(s_a·P(√4)) · s_b · P(√16) = (2**-3/4) · 4 · 4 = 0.5
+    (
+        "operand_grad_scale",
+        lambda a, b: ksc.ScaledTensor(
+            a.data, a.scale, ksc.ops.linalg.operand_grad_scale("ij,jk->ik", (a, b), 0)
+        ),
+        [gs(1, 2, 4.0, (4, 8)), gs(1, 4, 2.0**-3, (8, 16))],
+        0.5,
+    ),
     ("negative", kops.negative, [gs(1, 2, 8.0, (2,))], 8.0),
     ("square", kops.square, [gs(1, 4, 8.0, (2,))], 2.0),
     ("power_3", lambda x: kops.power(x, 3), [gs(1, 2, 8.0, (2,))], 2.0),
