@@ -116,6 +116,18 @@ def host_bool(x):
     return bool(x)
 
 
+def cond(pred, true_fn, false_fn):
+    """`keras.ops.cond`, except under `torch.compile`: there Keras's cond is
+    a Python `if` on a tensor (a graph break per call), so both branches
+    run and `where` selects (the branches here are scalar work)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if torch.compiler.is_compiling():
+            return ops.where(pred, true_fn(), false_fn())
+    return ops.cond(pred, true_fn, false_fn)
+
+
 class GuardedScope(keras.StatelessScope):
     """A `keras.StatelessScope` that keeps each variable's current value
     where the bool tensor `guard` is false."""

@@ -16,8 +16,12 @@ power of two, which is always >= 0):
 | > 2**127   | 2**127          | inf           | (2**127, m)                      |
 """
 
+import math
+
 import numpy as np
 from keras import ops
+
+from keras_scalify.backend import scalar as S
 
 _EXP_MASK = 0x7F800000
 _MANT_MASK = 0x007FFFFF
@@ -29,15 +33,17 @@ def as_dtype(x, dtype):
     """`x` as a tensor of `dtype`; a tensor that already is one is returned
     as is (eager torch pays a dispatch and a kernel launch per no-op cast,
     and scale arithmetic makes thousands per step)."""
-    from keras.src.backend import standardize_dtype
-
-    if ops.is_tensor(x) and standardize_dtype(x.dtype) == dtype:
+    if S.has_dtype(x, dtype):
         return x
+    if S.is_tensor(x):
+        return S.cast(x, dtype)
     return ops.cast(ops.convert_to_tensor(x), dtype)
 
 
 def _as_f32(x):
-    if not ops.is_tensor(x):
+    if S.has_dtype(x, "float32"):
+        return x
+    if not S.is_tensor(x):
         x = ops.convert_to_tensor(x)
     if not _is_float(x.dtype):
         raise TypeError(
@@ -60,60 +66,60 @@ def _is_float(dtype):
 
 
 def _bits(x):
-    return ops.view(x, "int32")
+    return S.view(x, "int32")
 
 
 def _from_bits(b):
-    return ops.view(as_dtype(b, "int32"), "float32")
+    return S.view(as_dtype(b, "int32"), "float32")
 
 
 def _subnormal_pow2_bits(mant):
     """Bits of 2**floor(log2(mant)) * 2**-149 for a subnormal mantissa."""
     # `mant` < 2**23 converts to float32 exactly; its exponent is the index
     # of the highest set bit.
-    as_float = ops.cast(ops.maximum(mant, 1), "float32")
-    top_bit = ops.right_shift(_bits(as_float), 23) - 127
-    return ops.left_shift(ops.ones_like(mant), top_bit)
+    as_float = S.cast(S.maximum(mant, 1), "float32")
+    top_bit = S.right_shift(_bits(as_float), 23) - 127
+    return S.left_shift(S.ones_like(mant), top_bit)
 
 
 def pow2_round_down(x):
     """Largest power of two `<= |x|`, as float32 (see the module table)."""
     b = _bits(_as_f32(x))
-    exp = ops.bitwise_and(b, _EXP_MASK)
-    mant = ops.bitwise_and(b, _MANT_MASK)
-    is_special = ops.equal(exp, _EXP_MASK)  # inf or NaN
-    is_subnormal = ops.logical_and(ops.equal(exp, 0), ops.not_equal(mant, 0))
-    out = ops.where(is_subnormal, _subnormal_pow2_bits(mant), exp)
-    out = ops.where(is_special, _EXP_MASK, out)
+    exp = S.bitwise_and(b, _EXP_MASK)
+    mant = S.bitwise_and(b, _MANT_MASK)
+    is_special = S.equal(exp, _EXP_MASK)  # inf or NaN
+    is_subnormal = S.logical_and(S.equal(exp, 0), S.not_equal(mant, 0))
+    out = S.where(is_subnormal, _subnormal_pow2_bits(mant), exp)
+    out = S.where(is_special, _EXP_MASK, out)
     return _from_bits(out)
 
 
 def pow2_round_up(x):
     """Smallest power of two `>= |x|`, as float32 (exact powers stay)."""
-    x32 = ops.abs(_as_f32(x))
+    x32 = S.abs(_as_f32(x))
     down = pow2_round_down(x32)
-    mant = ops.bitwise_and(_bits(x32), _MANT_MASK)
-    exp = ops.bitwise_and(_bits(x32), _EXP_MASK)
+    mant = S.bitwise_and(_bits(x32), _MANT_MASK)
+    exp = S.bitwise_and(_bits(x32), _EXP_MASK)
     # A normal number is a power of two iff its mantissa bits are zero; a
     # subnormal iff it equals its own round-down.
-    is_pow2 = ops.where(
-        ops.equal(exp, 0),
-        ops.equal(_bits(down), _bits(x32)),
-        ops.equal(mant, 0),
+    is_pow2 = S.where(
+        S.equal(exp, 0),
+        S.equal(_bits(down), _bits(x32)),
+        S.equal(mant, 0),
     )
-    is_special = ops.equal(exp, _EXP_MASK)
-    bits = ops.where(
-        ops.logical_or(is_pow2, is_special), _bits(down), _double_bits(_bits(down))
+    is_special = S.equal(exp, _EXP_MASK)
+    bits = S.where(
+        S.logical_or(is_pow2, is_special), _bits(down), _double_bits(_bits(down))
     )
     return _from_bits(bits)
 
 
 def _double_bits(b):
     """Bits of 2*p for a power of two p given by its bits (p finite)."""
-    exp = ops.bitwise_and(b, _EXP_MASK)
+    exp = S.bitwise_and(b, _EXP_MASK)
     # Normal: add one to the exponent (2**127 becomes inf, as it should).
     # Subnormal (or zero): shift the single mantissa bit left.
-    return ops.where(ops.equal(exp, 0), ops.left_shift(b, 1), b + (1 << 23))
+    return S.where(S.equal(exp, 0), S.left_shift(b, 1), b + (1 << 23))
 
 
 def pow2_decompose(x):
@@ -125,30 +131,30 @@ def pow2_decompose(x):
     """
     x_in = ops.convert_to_tensor(x)
     b = _bits(_as_f32(x_in))
-    sign = ops.bitwise_and(b, _SIGN_MASK)
-    exp = ops.bitwise_and(b, _EXP_MASK)
-    mant = ops.bitwise_and(b, _MANT_MASK)
+    sign = S.bitwise_and(b, _SIGN_MASK)
+    exp = S.bitwise_and(b, _EXP_MASK)
+    mant = S.bitwise_and(b, _MANT_MASK)
     # Subnormal: the mantissa integer converted to float32 is normal and
     # carries the same significant bits.
-    sub_bits = _bits(ops.cast(ops.maximum(mant, 1), "float32"))
-    frac = ops.where(ops.equal(exp, 0), ops.bitwise_and(sub_bits, _MANT_MASK), mant)
-    m_bits = ops.bitwise_or(ops.bitwise_or(sign, _ONE_BITS), frac)
-    is_zero = ops.logical_and(ops.equal(exp, 0), ops.equal(mant, 0))
-    is_special = ops.equal(exp, _EXP_MASK)
+    sub_bits = _bits(S.cast(S.maximum(mant, 1), "float32"))
+    frac = S.where(S.equal(exp, 0), S.bitwise_and(sub_bits, _MANT_MASK), mant)
+    m_bits = S.bitwise_or(S.bitwise_or(sign, _ONE_BITS), frac)
+    is_zero = S.logical_and(S.equal(exp, 0), S.equal(mant, 0))
+    is_special = S.equal(exp, _EXP_MASK)
     # Select on integer bits: XLA CPU may turn a float select into a float
     # comparison that flushes subnormals.
-    m_bits = ops.where(ops.logical_or(is_zero, is_special), b, m_bits)
+    m_bits = S.where(S.logical_or(is_zero, is_special), b, m_bits)
     mantissa = _from_bits(m_bits)
-    return pow2_round_down(_from_bits(b)), ops.cast(mantissa, x_in.dtype)
+    return pow2_round_down(_from_bits(b)), S.cast(mantissa, x_in.dtype)
 
 
 def np_pow2_round_down(x):
     """Static (NumPy) `pow2_round_down` for Python/NumPy scalars > 0."""
     x = float(abs(x))
-    if x == 0.0 or not np.isfinite(x):
+    if x == 0.0 or not math.isfinite(x):
         return 0.0 if x == 0.0 else float("inf")
-    m, e = np.frexp(x)  # x = m * 2**e, m in [0.5, 1)
-    return float(np.ldexp(1.0, int(e) - 1))
+    _, e = math.frexp(x)  # x = m * 2**e, m in [0.5, 1)
+    return math.ldexp(1.0, e - 1)
 
 
 def np_pow2_decompose(x):
@@ -156,7 +162,7 @@ def np_pow2_decompose(x):
     x = float(x)
     if x == 0.0:
         return 0.0, 0.0
-    if not np.isfinite(x):
+    if not math.isfinite(x):
         return float("inf"), x
     s = np_pow2_round_down(x)
     return s, x / s
@@ -165,10 +171,10 @@ def np_pow2_decompose(x):
 def pow2_exponent(x):
     """`floor(log2|x|)` of a normal float32 `x`, as int32 (exact)."""
     b = _bits(_as_f32(x))
-    return ops.right_shift(ops.bitwise_and(b, _EXP_MASK), 23) - 127
+    return S.right_shift(S.bitwise_and(b, _EXP_MASK), 23) - 127
 
 
 def pow2_from_exponent(e):
     """`2**e` as float32 for int32 `e`, clamped to [-126, 127] (exact)."""
-    e = ops.clip(as_dtype(e, "int32"), -126, 127)
-    return _from_bits(ops.left_shift(e + 127, 23))
+    e = S.clip(as_dtype(e, "int32"), -126, 127)
+    return _from_bits(S.left_shift(e + 127, 23))

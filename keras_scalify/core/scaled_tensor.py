@@ -2,6 +2,8 @@
 
 import collections
 
+import math
+
 import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
@@ -190,11 +192,11 @@ def _check_number_scale(name, v, allow_zero):
     if not _is_number(v):
         return
     v = float(v)
-    if not np.isfinite(v):
+    if not math.isfinite(v):
         raise ValueError(f"`{name}` must be finite, got {v}.")
     if v < 0 or (v == 0 and not allow_zero):
         raise ValueError(f"`{name}` must be positive, got {v}.")
-    if v != 0 and float(np.exp2(np.floor(np.log2(v)))) != v:
+    if v != 0 and math.ldexp(1.0, math.frexp(v)[1] - 1) != v:
         raise ValueError(
             f"`{name}` must be a power of two (or 0), got {v}. Use "
             f"`keras_scalify.core.pow2_round_down` to round it."
@@ -213,7 +215,11 @@ def _check_float(name, x):
 def _as_scale_tensor(name, s):
     if isinstance(s, bool):
         raise TypeError(f"`{name}` must be a float, got a bool.")
-    if isinstance(s, (float, int, np.ndarray, np.generic)):
+    if type(s) in (float, int):
+        # Straight to float32 (the value a float64 array would be cast to),
+        # without NumPy: `torch.compile` traces this.
+        s = ops.convert_to_tensor(float(s), "float32")
+    elif isinstance(s, (float, int, np.ndarray, np.generic)):
         s = np.asarray(s)
         if s.dtype.kind in "iu":
             s = s.astype("float32")

@@ -80,7 +80,12 @@ class ScaledMultiHeadAttention(ScaledLayer):
     gradients of all four projections' weights by about `sqrt(seq_len)`
     (softmax backward for query/key, the average over queries for value,
     the averaged output for `attention_output`); the first calibrated step
-    absorbs this (see `docs/design.md` §6).
+    absorbs this (see `docs/design.md` §6). Attention is bilinear in its
+    input, which the forward rules do not see: the probabilities take their
+    grad scale from the values' side (`dP = d(out)·vᵀ`), and the query and
+    key projections take a measured kernel grad scale's prediction alone
+    (their input's grad scale measures the values' path too), so inputs
+    carried at 2^k keep exact gradients for k in [-60, 60] (design §7).
 
     Args:
         num_heads, key_dim, value_dim, dropout, use_bias, output_shape,

@@ -46,13 +46,15 @@ class AsScaled(ScaledLayer):
     def call(self, inputs):
         if is_scaled(inputs):
             return inputs
-        gs = np.float32(self.grad_scale)
+        # Python floats (validated powers of two in float32's range): no
+        # NumPy in `call`, which `torch.compile` traces.
+        gs = self.grad_scale
         if self.scale is None:
             return cast_to_compute(self, inputs, gs)
         x = ops.convert_to_tensor(inputs)
-        x = ops.cast(x, "float32") * np.float32(1.0 / self.scale)
+        x = ops.cast(x, "float32") * (1.0 / self.scale)
         x = ops.cast(x, self.compute_dtype)
-        return as_scaled(x, np.float32(self.scale), gs)
+        return as_scaled(x, self.scale, gs)
 
     def compute_output_spec(self, inputs):
 

@@ -5,6 +5,7 @@ import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import ScaledTensor
@@ -14,20 +15,9 @@ MASTER_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def read_tensor(variable):
-    """The current value of a Keras variable as a backend tensor.
-
-    On TensorFlow `keras.ops.convert_to_tensor(variable)` returns the
-    variable itself, which is then read inside the next op; when that op is
-    a custom gradient (every scale rule is one), an eager `tf.GradientTape`
-    finds a variable read inside it and calls the gradient function with
-    `variables=`, expecting variable gradients back. Reading the value here
-    (`ops.copy` is `tf.identity` on TF) keeps the read outside, and the
-    gradient still reaches the variable through the identity.
-    """
-    t = ops.convert_to_tensor(variable)
-    if isinstance(t, keras.Variable):
-        t = ops.copy(t)
-    return t
+    """The current value of a Keras variable as a backend tensor, read
+    outside the op that uses it (`backend.scalar.variable_value`)."""
+    return S.variable_value(variable)
 
 
 def effective_grad_scale(grad_scale, scale):
@@ -36,7 +26,7 @@ def effective_grad_scale(grad_scale, scale):
     The state's sign says whether it was measured: > 0, the statistic of
     the last gradient; < 0, moved without a measurement (the gradient was
     all zero or non-finite); 0, never measured."""
-    return ops.where(ops.equal(grad_scale, 0.0), 1.0 / scale, ops.abs(grad_scale))
+    return S.where(S.equal(grad_scale, 0.0), 1.0 / scale, S.abs(grad_scale))
 
 
 def split_value(value):
@@ -142,11 +132,11 @@ class ScaledVariable:
         `sqrt(sa² + sb²)`). One max over a vector: no activation statistic.
         """
         data = read_tensor(self.data)
-        scale = ops.stop_gradient(read_tensor(self.scale))
-        gs = effective_grad_scale(ops.stop_gradient(read_tensor(self.grad_scale)), scale)
+        scale = S.stop_gradient(read_tensor(self.scale))
+        gs = effective_grad_scale(S.stop_gradient(read_tensor(self.grad_scale)), scale)
         if not rebalance:
             return ScaledTensor(data, scale, gs)
-        m = ops.stop_gradient(ops.max(ops.abs(ops.cast(data, "float32"))))
+        m = S.stop_gradient(S.max(ops.abs(ops.cast(data, "float32"))))
         nonzero = ops.logical_and(ops.greater(m, 0.0), ops.isfinite(m))
         k = ops.where(nonzero, pow2.pow2_round_down(m), 1.0)
         one = ops.ones((), "float32")
@@ -160,7 +150,7 @@ class ScaledVariable:
         all-zero or non-finite gradient). Contractions, `add` and
         `multiply` take it as `calibrated=` so that a guess does not vote
         for the grad scale of their output."""
-        return ops.greater(ops.stop_gradient(read_tensor(self.grad_scale)), 0.0)
+        return S.greater(S.stop_gradient(read_tensor(self.grad_scale)), 0.0)
 
     @property
     def value(self):

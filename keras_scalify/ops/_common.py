@@ -18,6 +18,7 @@ import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
@@ -29,8 +30,8 @@ def _mul_pow2(x, factor):
     """`x * factor` for a float32 pow2 scalar, rounding once in x's dtype."""
     dtype = standardize_dtype(x.dtype)
     if dtype in _LOW:
-        return ops.cast(ops.multiply(ops.cast(x, "float32"), factor), dtype)
-    return ops.multiply(x, pow2.as_dtype(factor, dtype))
+        return S.cast(S.multiply(S.cast(x, "float32"), factor), dtype)
+    return S.multiply(x, pow2.as_dtype(factor, dtype))
 
 
 def _upstream(args, upstream):
@@ -58,7 +59,7 @@ def _rescale_bwd(x, bwd):
 
 
 def _f32(v):
-    return ops.stop_gradient(pow2.as_dtype(v, "float32"))
+    return S.stop_gradient(pow2.as_dtype(v, "float32"))
 
 
 def rescale(x, fwd, bwd):
@@ -75,7 +76,7 @@ def safe_div(a, b):
     """`a / b`, and 0 where `b == 0` (zero-scale tensors stay NaN-free).
     One `keras.ops` call (`divide_no_nan`): on eager torch each op on a
     scalar scale costs more in dispatch than in arithmetic."""
-    return ops.divide_no_nan(a, b)
+    return S.divide_no_nan(a, b)
 
 
 def grad_factor(s_out, gs_out, s_in, gs_in):
@@ -89,7 +90,7 @@ def pow2_mean(*scales):
     total = exps[0]
     for e in exps[1:]:
         total = total + e
-    mean = ops.floor_divide(total, len(exps))
+    mean = S.floor_divide(total, len(exps))
     return pow2.pow2_from_exponent(mean)
 
 
@@ -108,7 +109,7 @@ def votes(preds, calibrated):
         if c is None or c is True or not others:
             out.append(p)
         else:
-            out.append(ops.where(c, p, pow2_mean(*others)))
+            out.append(S.where(c, p, pow2_mean(*others)))
     return out
 
 
@@ -127,7 +128,7 @@ def check_calibrated(calibrated, n):
 def pow2_max(*scales):
     out = scales[0]
     for s in scales[1:]:
-        out = ops.maximum(out, s)
+        out = S.maximum(out, s)
     return out
 
 
@@ -141,6 +142,17 @@ def static_dim(d):
     if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
         return int(d)
     return None
+
+
+def static_count(shape):
+    """Static element count of `shape` (unknown or symbolic dims count as
+    1: they only enter grad-scale heuristics, never a forward scale)."""
+    n = 1
+    for d in shape:
+        d = static_dim(d)
+        if d is not None:
+            n *= d
+    return n
 
 
 def static_size(shape, axes, name="x"):
@@ -157,7 +169,7 @@ def static_size(shape, axes, name="x"):
 
 
 def stop(x):
-    return ops.stop_gradient(x)
+    return S.stop_gradient(x)
 
 
 def scalars(x):
@@ -215,8 +227,8 @@ def static_scalar(x, like):
     never pull the propagated gradient scale.
     """
     s, m = pow2.np_pow2_decompose(float(x))
-    data = ops.cast(ops.convert_to_tensor(np.float32(m)), like.dtype)
-    return ScaledTensor(data, np.float32(s), stop(like.grad_scale))
+    data = ops.cast(ops.convert_to_tensor(m, "float32"), like.dtype)
+    return ScaledTensor(data, s, stop(like.grad_scale))
 
 
 def is_anyscale(x):

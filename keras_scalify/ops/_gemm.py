@@ -20,26 +20,19 @@ costs no pass of its own:
 
 OPERAND_RATIO = 4
 
-import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
 
 from keras_scalify.ops._common import _upstream
-from keras_scalify.ops._common import static_dim
-
-
-def _size(shape):
-    """Static element count (unknown or symbolic dims count as 1)."""
-    dims = [static_dim(d) for d in shape]
-    return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
+from keras_scalify.ops._common import static_count
 
 
 def _apply(gemm, x, y, factor, out_shape, dtype, exact):
     """`gemm(x, y) · factor` in `dtype` (see the module docstring)."""
     if exact:
-        sizes = [_size(x.shape), _size(y.shape)]
-        smaller = int(np.argmin(sizes))
-        if sizes[smaller] * OPERAND_RATIO <= _size(out_shape):
+        sizes = [static_count(x.shape), static_count(y.shape)]
+        smaller = 0 if sizes[0] <= sizes[1] else 1
+        if sizes[smaller] * OPERAND_RATIO <= static_count(out_shape):
             if smaller == 0:
                 return gemm(ops.multiply(x, factor), y)
             return gemm(x, ops.multiply(y, factor))

@@ -108,9 +108,9 @@ def as_scaled(x, scale=None, grad_scale=None):
             x = x.astype(np.float32)
         x = ops.convert_to_tensor(x)
     if scale is None:
-        scale = np.float32(1.0)
+        scale = 1.0
     if grad_scale is None:
-        grad_scale = np.float32(1.0)
+        grad_scale = 1.0
     out = ScaledTensor(x, scale, grad_scale)
     _check_scale_value("scale", out.scale, allow_zero=True)
     _check_scale_value("grad_scale", out.grad_scale, allow_zero=False)

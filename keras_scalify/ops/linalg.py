@@ -10,7 +10,6 @@ grad scale was measured (`calibrated=`; a weight's guess does not vote).
 
 import string
 
-import numpy as np
 from keras import ops
 
 from keras_scalify.backend.gemm import contraction_gemms
@@ -32,21 +31,15 @@ from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import scale_grad
 from keras_scalify.ops._common import result_dtype
+from keras_scalify.ops._common import static_count
 from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import static_pow2_sqrt
 from keras_scalify.ops._gemm import scaled_gemms
 from keras_scalify.ops.shape import cast as _cast
 
 
-def _size(shape, name):
-    """Static element count; 1 for unknown dims (they only enter the
-    gradient-scale heuristic, never the forward scale)."""
-    dims = [static_dim(d) for d in shape]
-    return int(np.prod([1 if d is None else d for d in dims], dtype=np.int64))
-
-
 def _others_scale(sc, i):
-    out = np.float32(1.0)
+    out = float(1.0)
     for j, (s_j, _) in enumerate(sc):
         if j != i:
             out = out * s_j
@@ -60,7 +53,7 @@ def _predictions(operands, sc, k, size_out):
     its backward GEMM contracts; returns (predictions, n_i)."""
     preds, ns = [], []
     for i, x in enumerate(operands):
-        n_i = max(size_out * k // max(_size(x.shape, f"x{i + 1}"), 1), 1)
+        n_i = max(size_out * k // max(static_count(x.shape), 1), 1)
         preds.append(safe_div(sc[i][1], _others_scale(sc, i) * static_pow2_sqrt(n_i)))
         ns.append(n_i)
     return preds, ns
@@ -75,11 +68,11 @@ def operand_grad_scale(subscripts, operands, i):
     `with_grad_scale`."""
     xs = list(operands)
     k = _parse_einsum(subscripts, [x.shape for x in xs])
-    out_shape = ops.einsum(subscripts, *[_spec(x) for x in xs]).shape
+    out_shape = _result_shape(("einsum", subscripts), lambda *a: ops.einsum(subscripts, *a), xs)
     sc = [scalars(x) for x in xs]
-    preds, ns = _predictions(xs, sc, k, _size(out_shape, "output"))
+    preds, ns = _predictions(xs, sc, k, static_count(out_shape))
     others = pow2_mean(*[p for j, p in enumerate(preds) if j != i])
-    return others * _others_scale(sc, i) * np.float32(static_pow2_sqrt(ns[i]))
+    return others * _others_scale(sc, i) * float(static_pow2_sqrt(ns[i]))
 
 
 def _contract(
@@ -94,8 +87,8 @@ def _contract(
     data is in `out_dtype`. Otherwise `fn` is differentiated by the backend
     with `rescale` / `scale_grad` around it (below)."""
     sc = [scalars(x) for x in operands]
-    r = np.float32(static_pow2_sqrt(k))
-    size_out = _size(out_shape, "output")
+    r = float(static_pow2_sqrt(k))
+    size_out = static_count(out_shape)
     scale = sc[0][0]
     for s_i, _ in sc[1:]:
         scale = scale * s_i
@@ -103,14 +96,14 @@ def _contract(
     preds, ns = _predictions(operands, sc, k, size_out)
     g = pow2_mean(*_votes(preds, calibrated))
     if gemms is not None:
-        inv_r = np.float32(1.0 / r)
+        inv_r = float(1.0 / r)
         factors = [ops.convert_to_tensor(inv_r)] + [
             grad_factor(scale, g, s_i, g_i) * inv_r for s_i, g_i in sc
         ]
         a, b = (x.data for x in operands)
         out = scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized)
         return ScaledTensor(out, scale, g)
-    beta = np.float32(1.0 / static_pow2_sqrt(ns[0]))
+    beta = float(1.0 / static_pow2_sqrt(ns[0]))
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
     # product of correlated data cannot overflow before the rescale. Other
     # dtypes rescale the float32-range output. Backward, the output
@@ -118,8 +111,8 @@ def _contract(
     # and each input by the rest of its factor c_i/r.
     if prescale is None:
         prescale = any(x.dtype == "float16" for x in operands)
-    one = np.float32(1.0)
-    inv_r = np.float32(1.0 / r)
+    one = float(1.0)
+    inv_r = float(1.0 / r)
     datas = []
     for i, ((s_i, g_i), x) in enumerate(zip(sc, operands)):
         c = grad_factor(scale, g, s_i, g_i)
@@ -174,7 +167,7 @@ def matmul(x1, x2, *, calibrated=None):
     if ab is None:
         return ops.matmul(x1, x2)
     a, b = ab
-    out_shape = ops.matmul(_spec(a), _spec(b)).shape
+    out_shape = _result_shape(("matmul",), ops.matmul, (a, b))
     return _contract(
         ops.matmul, [a, b], _static_k(a.data, "x1"), out_shape,
         calibrated=_check_calibrated(calibrated, 2),
@@ -188,7 +181,7 @@ def dot(x1, x2):
     if ab is None:
         return ops.dot(x1, x2)
     a, b = ab
-    out_shape = ops.dot(_spec(a), _spec(b)).shape
+    out_shape = _result_shape(("dot",), ops.dot, (a, b))
     return _contract(
         ops.dot, [a, b], _static_k(a.data, "x1"), out_shape,
         **_gemm_args(_weight_equation(a, b), a, b),
@@ -201,6 +194,26 @@ def _spec(x):
     return keras.KerasTensor(
         tuple(static_dim(d) for d in x.shape), dtype=x.dtype
     )
+
+
+# Keras's shape inference on KerasTensors costs 0.1-0.5 ms per call (a
+# symbolic einsum ~0.5 ms: more than a small GEMM); results are memoized per
+# operation and static input shapes.
+_RESULT_SHAPES = {}
+_RESULT_SHAPES_MAX = 4096
+
+
+def _result_shape(key, fn, xs):
+    """`fn(*specs of xs).shape` for the operation named by `key` (a hashable
+    tuple that fixes everything but the shapes), memoized."""
+    shapes = tuple(tuple(static_dim(d) for d in x.shape) for x in xs)
+    out = _RESULT_SHAPES.get((key, shapes))
+    if out is None:
+        if len(_RESULT_SHAPES) >= _RESULT_SHAPES_MAX:
+            _RESULT_SHAPES.clear()
+        out = tuple(fn(*[_spec(x) for x in xs]).shape)
+        _RESULT_SHAPES[(key, shapes)] = out
+    return out
 
 
 def _parse_einsum(subscripts, shapes):
@@ -266,7 +279,7 @@ def einsum(subscripts, *operands, out_dtype=None, calibrated=None):
     like = next(x for x in operands if is_scaled(x))
     xs = same_dtype([promote(x, like, f"operands[{i}]") for i, x in enumerate(operands)])
     k = _parse_einsum(subscripts, [x.shape for x in xs])
-    out_shape = ops.einsum(subscripts, *[_spec(x) for x in xs]).shape
+    out_shape = _result_shape(("einsum", subscripts), lambda *a: ops.einsum(subscripts, *a), xs)
 
     def fn(*datas):
         return ops.einsum(subscripts, *datas)
@@ -295,12 +308,14 @@ def conv(
         return ops.conv(inputs, kernel, strides, padding, data_format, dilation_rate)
     like = inputs if is_scaled(inputs) else kernel
     x, w = same_dtype([promote(inputs, like, "inputs"), promote(kernel, like, "kernel")])
-    k = _size(w.shape[:-1], "kernel")
+    k = static_count(w.shape[:-1])
 
     def fn(a, b):
         return ops.conv(a, b, strides, padding, data_format, dilation_rate)
 
-    out_shape = fn(_spec(x), _spec(w)).shape
+    out_shape = _result_shape(
+        ("conv", repr((strides, padding, data_format, dilation_rate))), fn, (x, w)
+    )
     return _contract(fn, [x, w], k, out_shape, calibrated=_check_calibrated(calibrated, 2))
 
 
@@ -371,7 +386,9 @@ def fp8_einsum(
         ab = (promote(x1, None, "x1"), promote(x2, None, "x2"))
     a, b = ab
     k = _parse_einsum(subscripts, [a.shape, b.shape])
-    out_shape = ops.einsum(subscripts, _spec(a), _spec(b)).shape
+    out_shape = _result_shape(
+        ("einsum", subscripts), lambda *a_: ops.einsum(subscripts, *a_), (a, b)
+    )
     _, gemms = fp8.fp8_gemms(
         subscripts.replace(" ", ""), a.shape, b.shape, forward_dtype, backward_dtype, route
     )

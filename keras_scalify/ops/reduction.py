@@ -1,8 +1,8 @@
 """Scale rules of reductions: sum, mean, max, min."""
 
 import builtins
+import math
 
-import numpy as np
 from keras import ops
 
 from keras_scalify.core import pow2
@@ -12,6 +12,7 @@ from keras_scalify.ops._common import is_scaled
 from keras_scalify.ops._common import rescale
 from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import scalars
+from keras_scalify.ops._common import static_count
 from keras_scalify.ops._common import static_dim
 
 
@@ -29,7 +30,7 @@ def reduced_count(x, axis):
     axes = _axes(x, axis)
     dims = [static_dim(x.shape[a]) for a in axes]
     if all(d is not None for d in dims):
-        return int(np.prod(dims, dtype=np.int64))
+        return static_count(dims)
     shape = ops.shape(x)
     n = ops.ones((), "float32")
     for a in axes:
@@ -40,7 +41,7 @@ def reduced_count(x, axis):
 def pow2_sqrt(n):
     """`P(sqrt(n))` as float32: static for an int, a tensor otherwise."""
     if isinstance(n, int):
-        return np.float32(pow2.np_pow2_round_down(np.sqrt(builtins.max(n, 1))))
+        return pow2.np_pow2_round_down(math.sqrt(builtins.max(n, 1)))
     return pow2.pow2_round_down(ops.sqrt(ops.maximum(n, 1.0)))
 
 
@@ -78,7 +79,8 @@ def mean(x, axis=None, keepdims=False):
     n = reduced_count(x.data, axis)
     r = pow2_sqrt(n)
     if isinstance(n, int):
-        p, m = (np.float32(v) for v in pow2.np_pow2_decompose(1.0 / n))
+        # Python floats (rounded to float32 where they meet a tensor).
+        p, m = pow2.np_pow2_decompose(1.0 / n)
     else:
         p, m = pow2.pow2_decompose(1.0 / n)
     data = ops.sum(_f32(x.data), axis=axis, keepdims=keepdims)

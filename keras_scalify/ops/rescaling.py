@@ -17,6 +17,7 @@ the route of Keras's `overwrite_with_gradient` variables (see
 
 from keras import ops
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.ops._common import _mul_pow2
@@ -38,7 +39,7 @@ def data_statistic(data, statistic):
     if statistic == "l2":
         return ops.sqrt(ops.mean(ops.square(d)))
     if statistic == "max":
-        return ops.max(ops.abs(d))
+        return S.max(ops.abs(d))
     raise ValueError(
         f"`statistic` must be one of {STATISTICS}, got {statistic!r}."
     )
@@ -46,8 +47,8 @@ def data_statistic(data, statistic):
 
 def _valid_pow2(stat):
     """`P(stat)` when finite and > 0, else 1 (rescaling is then a no-op)."""
-    ok = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
-    return ops.where(ok, pow2.pow2_round_down(stat), ops.ones_like(stat))
+    ok = S.logical_and(S.isfinite(stat), S.greater(stat, 0.0))
+    return S.where(ok, pow2.pow2_round_down(stat), S.ones_like(stat))
 
 
 def rescale_by_statistic(x, stat):
@@ -64,7 +65,7 @@ def overflow_safe_rms(data):
     """The RMS of `data` in float32, measured on `data / P(max|data|)` so
     that the squares cannot overflow (1e30 has an RMS); two reductions."""
     d = ops.cast(data, "float32")
-    k = stop(_valid_pow2(ops.max(ops.abs(d))))
+    k = stop(_valid_pow2(S.max(ops.abs(d))))
     return ops.sqrt(ops.mean(ops.square(d / k))) * k
 
 
@@ -119,16 +120,16 @@ def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     true zero (an unused weight, a dead unit), so the grad scale is kept
     rather than lowered towards the floor. Otherwise it is lowered by
     2**12, not below 2**-100 (`ZERO_SEARCH_MIN_EXPONENT`)."""
-    finite = ops.isfinite(stat)
+    finite = S.isfinite(stat)
     e_out = pow2.pow2_exponent(g_out)
-    e_stat = pow2.pow2_exponent(ops.where(finite, stat, ops.ones_like(stat)))
+    e_stat = pow2.pow2_exponent(S.where(finite, stat, S.ones_like(stat)))
     if zero_may_be_underflow:
-        floor = ops.minimum(e_out, ZERO_SEARCH_MIN_EXPONENT)
-        e_zero = ops.maximum(e_out - RECOVERY_EXPONENT, floor)
+        floor = S.minimum(e_out, ZERO_SEARCH_MIN_EXPONENT)
+        e_zero = S.maximum(e_out - RECOVERY_EXPONENT, floor)
     else:
         e_zero = e_out
-    e_new = ops.where(ops.greater(stat, 0.0), e_out + e_stat, e_zero)
-    e_new = ops.where(finite, e_new, e_out + RECOVERY_EXPONENT)
+    e_new = S.where(S.greater(stat, 0.0), e_out + e_stat, e_zero)
+    e_new = S.where(finite, e_new, e_out + RECOVERY_EXPONENT)
     return pow2.pow2_from_exponent(e_new)
 
 

@@ -8,6 +8,7 @@ from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.saving import serialization_lib
 from keras.src.utils import tracking
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.backend.optimizer import ghost_variable
 from keras_scalify.backend.optimizer import is_ghost
 from keras_scalify.backend.optimizer import native_updates
@@ -309,9 +310,9 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                     # non-finite gradient): it then no longer votes for the
                     # grad scales of its layer's outputs (`votes`).
                     new_gs = grad_scale_from_statistic(stat, gs, underflows)
-                    measured = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
-                    always.append((sv.grad_scale, ops.where(measured, new_gs, -new_gs)))
-                    finite = ops.logical_and(finite, ops.isfinite(stat * gs))
+                    measured = S.logical_and(S.isfinite(stat), S.greater(stat, 0.0))
+                    always.append((sv.grad_scale, S.where(measured, new_gs, -new_gs)))
+                    finite = S.logical_and(finite, S.isfinite(stat * gs))
                     # `ops.multiply`, not `*`: on TensorFlow an Embedding's
                     # gradient is a `tf.IndexedSlices` (one row per token,
                     # repeats included), which `*` densifies (summing the

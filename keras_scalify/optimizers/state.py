@@ -15,6 +15,8 @@
 
 from keras import ops
 
+from keras_scalify.backend import optimizer as backend_optimizer
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import saturating_cast
 from keras_scalify.core.rounding import stochastic_cast
@@ -41,7 +43,7 @@ def rescale_factor(data, rescale):
     computed on such steps."""
     if isinstance(rescale, bool):
         return _valid_pow2(rms(data)) if rescale else ops.ones((), "float32")
-    return ops.cond(
+    return backend_optimizer.cond(
         rescale, lambda: _valid_pow2(rms(data)), lambda: ops.ones((), "float32")
     )
 
@@ -72,13 +74,13 @@ def encode_weight(value, scale, dtype, key=None):
 def encode_slot(value, dtype):
     """`(data, scale)` for an optimizer slot; scale is None for float32."""
     if dtype == "float32":
-        return ops.cast(value, "float32"), None
-    amax = ops.max(ops.abs(value)) if len(value.shape) else ops.abs(value)
+        return pow2.as_dtype(value, "float32"), None
+    amax = S.max(ops.abs(value)) if len(value.shape) else ops.abs(value)
     scale = _valid_pow2(amax) * 2.0**-SLOT_MAX_EXPONENT
     return saturating_cast(value / scale, dtype), scale
 
 
 def decode(data, scale):
     """The float32 value of stored `data` (× `scale` unless it is None)."""
-    value = ops.cast(data, "float32")
+    value = pow2.as_dtype(data, "float32")
     return value if scale is None else value * scale

@@ -1,0 +1,98 @@
+"""`keras_scalify.backend.scalar`: the ops of scale arithmetic give what
+`keras.ops` gives (values and dtypes), for the operands the helpers pass:
+tensors with Python numbers, NumPy scalars, special values. On torch they
+are the torch functions themselves; elsewhere `keras.ops`."""
+
+import math
+
+import numpy as np
+import pytest
+from keras import ops
+from keras.src.backend import standardize_dtype
+
+from keras_scalify.backend import scalar as S
+from tests.conftest import to_np
+
+F = np.array([0.0, -0.0, 1.5, -3.0, 2.0**-140, 3e38, np.inf, -np.inf, np.nan], np.float32)
+I = np.array([0, 1, -7, 0x7F800000, -(2**31), 2**31 - 1], np.int32)
+
+
+def _same(got, want):
+    assert standardize_dtype(got.dtype) == standardize_dtype(want.dtype)
+    np.testing.assert_array_equal(to_np(got), to_np(want))
+
+
+def f32(v=F):
+    return ops.convert_to_tensor(v)
+
+
+CASES = [
+    ("multiply", lambda: (f32(), f32(F[::-1].copy()))),
+    ("multiply", lambda: (f32(), 0.5)),
+    ("maximum", lambda: (f32(), f32(F[::-1].copy()))),
+    ("maximum", lambda: (f32(), 1.0)),
+    ("maximum", lambda: (2.0, f32())),
+    ("maximum", lambda: (ops.convert_to_tensor(I), 1)),
+    ("minimum", lambda: (f32(), -1.0)),
+    ("minimum", lambda: (ops.convert_to_tensor(I), 5)),
+    ("divide_no_nan", lambda: (f32(), f32(F[::-1].copy()))),
+    ("divide_no_nan", lambda: (f32(), 0.0)),
+    ("divide_no_nan", lambda: (f32(), 4.0)),
+    ("divide_no_nan", lambda: (1.0, f32())),
+    ("equal", lambda: (ops.convert_to_tensor(I), 0)),
+    ("not_equal", lambda: (ops.convert_to_tensor(I), 1)),
+    ("greater", lambda: (f32(), 0.0)),
+    ("logical_and", lambda: (ops.greater(f32(), 0.0), ops.isfinite(f32()))),
+    ("logical_or", lambda: (ops.greater(f32(), 0.0), ops.isfinite(f32()))),
+    ("logical_not", lambda: (ops.isfinite(f32()),)),
+    ("isfinite", lambda: (f32(),)),
+    ("abs", lambda: (f32(),)),
+    ("ones_like", lambda: (ops.convert_to_tensor(I),)),
+    ("bitwise_and", lambda: (ops.convert_to_tensor(I), 0x7F800000)),
+    ("bitwise_or", lambda: (ops.convert_to_tensor(I), -(2**31))),
+    ("left_shift", lambda: (ops.convert_to_tensor(np.array([1, 3], np.int32)), 23)),
+    ("left_shift", lambda: (ops.ones((3,), "int32"), ops.convert_to_tensor(np.array([0, 5, 30], np.int32)))),
+    ("right_shift", lambda: (ops.convert_to_tensor(I), 23)),
+    ("floor_divide", lambda: (ops.convert_to_tensor(I), 2)),
+    ("clip", lambda: (ops.convert_to_tensor(I), -126, 127)),
+    ("where", lambda: (ops.isfinite(f32()), f32(), 0.0)),
+    ("where", lambda: (ops.isfinite(f32()), 7, ops.convert_to_tensor(np.arange(9, dtype=np.int32)))),
+    ("where", lambda: (np.bool_(True), 1.0, np.float32(2.0))),
+    ("multiply", lambda: (np.float32(2.0), np.float32(3.0))),
+]
+
+
+@pytest.mark.parametrize("name,args", CASES, ids=[f"{c[0]}{i}" for i, c in enumerate(CASES)])
+def test_scalar_op_matches_keras_ops(name, args):
+    a = args()
+    _same(getattr(S, name)(*a), getattr(ops, name)(*a))
+
+
+def test_casts_views_and_reductions_match_keras_ops():
+    x = f32()
+    for dtype in ("int32", "float16", "bfloat16", "float32"):
+        _same(S.cast(x, dtype), ops.cast(x, dtype))
+    _same(S.view(x, "int32"), ops.view(x, "int32"))
+    _same(S.view(S.view(x, "int32"), "float32"), x)
+    finite = f32(F[:6].copy())
+    _same(S.max(finite), ops.max(finite))
+    assert math.isnan(float(to_np(S.max(x))))  # a NaN is never dropped
+    _same(S.stop_gradient(x), x)
+
+
+def test_has_dtype_and_is_tensor():
+    x = f32()
+    assert S.is_tensor(x) and not S.is_tensor(1.0) and not S.is_tensor(np.float32(1))
+    assert S.has_dtype(x, "float32") and not S.has_dtype(x, "int32")
+    assert not S.has_dtype(np.float32(1.0), "float32")
+
+
+def test_variable_value_reads_the_current_value():
+    import keras
+
+    v = keras.Variable(np.float32(2.0))
+    _same(S.variable_value(v), ops.convert_to_tensor(np.float32(2.0)))
+    v.assign(np.float32(4.0))
+    _same(S.variable_value(v), ops.convert_to_tensor(np.float32(4.0)))
+    with keras.StatelessScope(state_mapping=[(v, ops.convert_to_tensor(np.float32(8.0)))]):
+        _same(S.variable_value(v), ops.convert_to_tensor(np.float32(8.0)))
