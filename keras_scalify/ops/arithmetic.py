@@ -81,7 +81,7 @@ def _static_gs(ga, k, power):
     k = float(k)
     if k == 0.0 or not math.isfinite(k):
         return ga
-    return ga * float(pow2.np_pow2_round_down(k) ** power)
+    return ga * pow2.np_pow2_round_down(k) ** power
 
 
 def multiply(x1, x2, *, calibrated=None):

@@ -39,7 +39,7 @@ from keras_scalify.ops.shape import cast as _cast
 
 
 def _others_scale(sc, i):
-    out = float(1.0)
+    out = 1.0
     for j, (s_j, _) in enumerate(sc):
         if j != i:
             out = out * s_j
@@ -68,11 +68,11 @@ def operand_grad_scale(subscripts, operands, i):
     `with_grad_scale`."""
     xs = list(operands)
     k = _parse_einsum(subscripts, [x.shape for x in xs])
-    out_shape = _result_shape(("einsum", subscripts), lambda *a: ops.einsum(subscripts, *a), xs)
+    out_shape = _einsum_shape(subscripts, xs)
     sc = [scalars(x) for x in xs]
     preds, ns = _predictions(xs, sc, k, static_count(out_shape))
     others = pow2_mean(*[p for j, p in enumerate(preds) if j != i])
-    return others * _others_scale(sc, i) * float(static_pow2_sqrt(ns[i]))
+    return others * _others_scale(sc, i) * static_pow2_sqrt(ns[i])
 
 
 def _contract(
@@ -87,7 +87,7 @@ def _contract(
     data is in `out_dtype`. Otherwise `fn` is differentiated by the backend
     with `rescale` / `scale_grad` around it (below)."""
     sc = [scalars(x) for x in operands]
-    r = float(static_pow2_sqrt(k))
+    r = static_pow2_sqrt(k)
     size_out = static_count(out_shape)
     scale = sc[0][0]
     for s_i, _ in sc[1:]:
@@ -96,14 +96,14 @@ def _contract(
     preds, ns = _predictions(operands, sc, k, size_out)
     g = pow2_mean(*_votes(preds, calibrated))
     if gemms is not None:
-        inv_r = float(1.0 / r)
+        inv_r = 1.0 / r
         factors = [ops.convert_to_tensor(inv_r)] + [
             grad_factor(scale, g, s_i, g_i) * inv_r for s_i, g_i in sc
         ]
         a, b = (x.data for x in operands)
         out = scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized)
         return ScaledTensor(out, scale, g)
-    beta = float(1.0 / static_pow2_sqrt(ns[0]))
+    beta = 1.0 / static_pow2_sqrt(ns[0])
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
     # product of correlated data cannot overflow before the rescale. Other
     # dtypes rescale the float32-range output. Backward, the output
@@ -111,8 +111,8 @@ def _contract(
     # and each input by the rest of its factor c_i/r.
     if prescale is None:
         prescale = any(x.dtype == "float16" for x in operands)
-    one = float(1.0)
-    inv_r = float(1.0 / r)
+    one = 1.0
+    inv_r = 1.0 / r
     datas = []
     for i, ((s_i, g_i), x) in enumerate(zip(sc, operands)):
         c = grad_factor(scale, g, s_i, g_i)
@@ -216,6 +216,10 @@ def _result_shape(key, fn, xs):
     return out
 
 
+def _einsum_shape(subscripts, xs):
+    return _result_shape(("einsum", subscripts), lambda *a: ops.einsum(subscripts, *a), xs)
+
+
 def _parse_einsum(subscripts, shapes):
     """Letters and sizes: returns (K, output letters)."""
     subs = subscripts.replace(" ", "")
@@ -279,7 +283,7 @@ def einsum(subscripts, *operands, out_dtype=None, calibrated=None):
     like = next(x for x in operands if is_scaled(x))
     xs = same_dtype([promote(x, like, f"operands[{i}]") for i, x in enumerate(operands)])
     k = _parse_einsum(subscripts, [x.shape for x in xs])
-    out_shape = _result_shape(("einsum", subscripts), lambda *a: ops.einsum(subscripts, *a), xs)
+    out_shape = _einsum_shape(subscripts, xs)
 
     def fn(*datas):
         return ops.einsum(subscripts, *datas)
@@ -386,9 +390,7 @@ def fp8_einsum(
         ab = (promote(x1, None, "x1"), promote(x2, None, "x2"))
     a, b = ab
     k = _parse_einsum(subscripts, [a.shape, b.shape])
-    out_shape = _result_shape(
-        ("einsum", subscripts), lambda *a_: ops.einsum(subscripts, *a_), (a, b)
-    )
+    out_shape = _einsum_shape(subscripts, (a, b))
     _, gemms = fp8.fp8_gemms(
         subscripts.replace(" ", ""), a.shape, b.shape, forward_dtype, backward_dtype, route
     )

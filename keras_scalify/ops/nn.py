@@ -83,7 +83,7 @@ def _normalize(x, axis, epsilon, center):
     # so the model is unchanged (the paper's variant drops eps/sa²). The eps
     # term is kept >= the smallest float32 normal: under a scale beyond
     # ~2^60 it would underflow to 0, and a constant row would give 0·inf.
-    q = ops.maximum(float(pow2.np_pow2_round_down(math.sqrt(epsilon))) / sa, 1.0)
+    q = ops.maximum(pow2.np_pow2_round_down(math.sqrt(epsilon)) / sa, 1.0)
     inv = 1.0 / (sa * q)
     eps_d = ops.maximum((epsilon * inv) * inv, 2.0**-126)
     inv_q = 1.0 / q
