@@ -20,6 +20,7 @@ from keras import ops
 from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import _check_number_scale
 from keras_scalify.ops._common import _mul_pow2
 from keras_scalify.ops._common import promote
 from keras_scalify.ops._common import rescale
@@ -155,6 +156,12 @@ def with_grad_scale(x, grad_scale):
     upstream (attention's probabilities, whose cotangent is the values'
     business, not the scores')."""
     x = promote(x, None, "x")
+    _check_number_scale("grad_scale", grad_scale, allow_zero=True)
+    if grad_scale is None or isinstance(grad_scale, (str, bytes, bool)):
+        raise TypeError(
+            f"`grad_scale` must be a float32 power of two (or 0), got "
+            f"{type(grad_scale).__name__} {grad_scale!r:.80}."
+        )
     _, ga = scalars(x)
     g = stop(ops.convert_to_tensor(grad_scale, "float32"))
     g = ops.where(ops.greater(g, 0.0), g, ga)

@@ -247,3 +247,11 @@ def test_calibrated_needs_one_entry_per_operand():
         ksc.ops.matmul(a, b, calibrated=(True,))
     with pytest.raises(ValueError, match="`calibrated`"):
         ksc.ops.add(a, a, calibrated=(True, True, True))
+
+
+@pytest.mark.parametrize(
+    "gs, exc", [(3.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), ("a", TypeError), (None, TypeError)]
+)
+def test_with_grad_scale_refuses_a_bad_grad_scale(gs, exc):
+    with raises(exc, "grad_scale"):
+        kops.with_grad_scale(sc(), gs)
