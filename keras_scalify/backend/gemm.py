@@ -18,7 +18,10 @@ import collections
 
 import keras
 from keras import ops
-from keras.src.backend import standardize_dtype
+
+from keras_scalify.backend.scalar import dtype_name
+from keras_scalify.backend.scalar import TORCH
+from keras_scalify.core.pow2 import as_dtype
 
 Gemms = collections.namedtuple("Gemms", ["forward", "grad_a", "grad_b"])
 Gemms.__doc__ = """The three GEMMs of `y = einsum(eq, a, b)`, each returning
@@ -52,7 +55,37 @@ def has_float32_gemm(*dtypes):
     without upcasting them (jax: every float dtype; else float32 only)."""
     if keras.backend.backend() == "jax":
         return True
-    return all(standardize_dtype(d) == "float32" for d in dtypes)
+    return all(dtype_name(d) == "float32" for d in dtypes)
+
+
+# The data ops around the GEMMs. On torch, the torch functions on torch
+# tensors: `keras.ops` converts its operands and checks for symbolic
+# tensors on every call (~20 µs; a GPT step of `benchmarks/step_time.py`
+# made ~130 such reshapes, transposes and matmuls).
+if TORCH:
+    import torch
+
+    def _tensors(*xs):
+        return all(isinstance(x, torch.Tensor) for x in xs)
+
+    def _reshape(x, shape):
+        return torch.reshape(x, shape) if _tensors(x) else ops.reshape(x, shape)
+
+    def _shape(x):
+        return tuple(x.shape) if _tensors(x) else ops.shape(x)
+
+    def _transpose(x):
+        return x.t() if _tensors(x) else ops.transpose(x)
+
+    def _matmul(a, b):
+        return torch.matmul(a, b) if _tensors(a, b) else ops.matmul(a, b)
+
+    def _einsum(equation, a, b):
+        return torch.einsum(equation, a, b) if _tensors(a, b) else ops.einsum(equation, a, b)
+
+else:
+    _reshape, _shape, _transpose = ops.reshape, ops.shape, ops.transpose
+    _matmul, _einsum = ops.matmul, ops.einsum
 
 
 def einsum_f32(equation, a, b):
@@ -63,15 +96,13 @@ def einsum_f32(equation, a, b):
         return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
     transposes = _matrix_product(equation)
     if transposes is None:
-        out = ops.einsum(equation, a, b)
+        out = _einsum(equation, a, b)
     else:
         # A product of two matrices: `matmul` (torch runs a 2-D einsum as a
         # batched GEMM of batch 1, with copies around it).
         ta, tb = transposes
-        out = ops.matmul(ops.transpose(a) if ta else a, ops.transpose(b) if tb else b)
-    if standardize_dtype(out.dtype) != "float32":
-        out = ops.cast(out, "float32")
-    return out
+        out = _matmul(_transpose(a) if ta else a, _transpose(b) if tb else b)
+    return as_dtype(out, "float32")
 
 
 def _matrix_product(equation):
@@ -125,27 +156,27 @@ def flattened(gemms_2d, nk):
         return n
 
     def a2(x):
-        return ops.reshape(x, (-1, prod(x.shape[len(x.shape) - nk:])))
+        return _reshape(x, (-1, prod(x.shape[len(x.shape) - nk:])))
 
     def b2(w):
-        return ops.reshape(w, (prod(w.shape[:nk]), -1))
+        return _reshape(w, (prod(w.shape[:nk]), -1))
 
     def lead(x, nt):
-        return tuple(ops.shape(x)[: len(x.shape) - nt])
+        return tuple(_shape(x)[: len(x.shape) - nt])
 
     def forward(a, b):
         y = gemms_2d.forward(a2(a), b2(b))
-        return ops.reshape(y, lead(a, nk) + tuple(b.shape[nk:]))
+        return _reshape(y, lead(a, nk) + tuple(b.shape[nk:]))
 
     def grad_a(g, b):
         w = tuple(b.shape[nk:])
-        ga = gemms_2d.grad_a(ops.reshape(g, (-1, prod(w))), b2(b))
-        return ops.reshape(ga, lead(g, len(w)) + tuple(b.shape[:nk]))
+        ga = gemms_2d.grad_a(_reshape(g, (-1, prod(w))), b2(b))
+        return _reshape(ga, lead(g, len(w)) + tuple(b.shape[:nk]))
 
     def grad_b(a, g):
         w = tuple(g.shape[len(a.shape) - nk:])
-        gb = gemms_2d.grad_b(a2(a), ops.reshape(g, (-1, prod(w))))
-        return ops.reshape(gb, tuple(a.shape[len(a.shape) - nk:]) + w)
+        gb = gemms_2d.grad_b(a2(a), _reshape(g, (-1, prod(w))))
+        return _reshape(gb, tuple(a.shape[len(a.shape) - nk:]) + w)
 
     return Gemms(forward, grad_a, grad_b)
 

@@ -16,10 +16,29 @@ follows the tensor's, as in Keras. They are plain torch calls, so
 `torch.compile` traces them too.
 """
 
+import math
+
 import keras
 from keras import ops
+from keras.src.backend import standardize_dtype
 
 TORCH = keras.backend.backend() == "torch"
+
+_DTYPE_NAMES = {}
+
+
+def dtype_name(dtype):
+    """Keras's `standardize_dtype`, memoized by the dtype object (the rules
+    ask for operands' dtypes thousands of times per step)."""
+    if dtype is None:  # floatx, which may change
+        return standardize_dtype(dtype)
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = standardize_dtype(dtype)
+        return name
+    except TypeError:  # unhashable
+        return standardize_dtype(dtype)
 
 if TORCH:
     import torch
@@ -37,20 +56,62 @@ if TORCH:
             out = _DTYPES[dtype] = _keras_torch_dtype(dtype)
         return out
 
-    def _fast(torch_fn, keras_fn, first=0):
+    _CONSTANTS = {}
+    # The dtypes of scale arithmetic. (A float16 operand computes with a
+    # Python number in float32: a float16 constant would round it first.)
+    _CONSTANT_DTYPES = (torch.float32, torch.int32)
+
+    def _constant(a, like):
+        """Python number `a` as a 0-d tensor of `like`'s dtype and device
+        (cached), where torch would convert it the same way: a Python
+        number in an eager op is wrapped and copied to the operand's dtype
+        (4 extra dispatches per op). None where the conversion could differ
+        (other dtypes than float32 and int32, an int tensor with a float,
+        NaN, -0.0, or while `torch.compile` traces)."""
+        dtype = like.dtype
+        if dtype not in _CONSTANT_DTYPES or a != a:
+            return None
+        if dtype != torch.float32 and type(a) is not int:
+            return None
+        if a == 0 and type(a) is float and math.copysign(1.0, a) < 0:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        key = (a, type(a), dtype, like.device)
+        out = _CONSTANTS.get(key)
+        if out is None:
+            if len(_CONSTANTS) > 4096:
+                _CONSTANTS.clear()
+            out = _CONSTANTS[key] = torch.tensor(a, dtype=dtype, device=like.device)
+        return out
+
+    def _number_or_constant(a, like):
+        if type(a) not in _NUMBERS:
+            return a
+        c = _constant(a, like)
+        return a if c is None else c
+
+    def _fast(torch_fn, keras_fn, first=0, constants=False):
         """`torch_fn` when the operands from `first` on are torch tensors or
         Python numbers, at least one a tensor; `keras_fn` otherwise (NumPy
-        values, symbolic tensors), which converts them."""
+        values, symbolic tensors), which converts them. `constants`: pass
+        Python numbers as cached tensors of the tensor operand's dtype
+        (`_constant`)."""
 
         def fn(*args):
-            tensor = False
+            tensor = None
+            numbers = False
             for a in args[first:]:
                 if isinstance(a, torch.Tensor):
-                    tensor = True
-                elif type(a) not in _NUMBERS:
+                    tensor = a if tensor is None else tensor
+                elif type(a) in _NUMBERS:
+                    numbers = True
+                else:
                     return keras_fn(*args)
-            if not tensor:
+            if tensor is None:
                 return keras_fn(*args)
+            if numbers and constants:
+                args = [_number_or_constant(a, tensor) for a in args]
             return torch_fn(*args)
 
         fn.__name__ = keras_fn.__name__
@@ -74,8 +135,10 @@ if TORCH:
         return ops.view(x, dtype)
 
     def stop_gradient(x):
+        """`x` itself when no gradient flows into it (scales nearly
+        always): a `detach` per call is an op of its own."""
         if isinstance(x, torch.Tensor):
-            return x.detach()
+            return x.detach() if x.requires_grad else x
         return ops.stop_gradient(x)
 
     def _where(condition, x1, x2):
@@ -86,7 +149,12 @@ if TORCH:
     def _divide_no_nan(x1, x2):
         if not isinstance(x2, torch.Tensor):
             return torch.zeros_like(x1) if x2 == 0 else x1 / x2
-        zero = x2 == 0
+        zero = equal(x2, 0)
+        if not (x2.requires_grad or getattr(x1, "requires_grad", False)):
+            # No gradient: the quotient's inf/NaN where x2 == 0 is
+            # selected away (with one, the select's zero cotangent would
+            # meet them in the division's backward).
+            return torch.where(zero, 0.0, x1 / x2)
         return torch.where(zero, 0.0, x1 / torch.where(zero, 1.0, x2))
 
     def _extremum(fn, bound):
@@ -106,22 +174,38 @@ if TORCH:
     divide_no_nan = _fast(_divide_no_nan, ops.divide_no_nan)
     maximum = _fast(_extremum(torch.maximum, "min"), ops.maximum)
     minimum = _fast(_extremum(torch.minimum, "max"), ops.minimum)
-    multiply = _fast(torch.multiply, ops.multiply)
-    equal = _fast(torch.eq, ops.equal)
-    not_equal = _fast(torch.ne, ops.not_equal)
-    greater = _fast(torch.gt, ops.greater)
+    multiply = _fast(torch.multiply, ops.multiply, constants=True)
+    add = _fast(torch.add, ops.add, constants=True)
+    subtract = _fast(torch.sub, ops.subtract, constants=True)
+    equal = _fast(torch.eq, ops.equal, constants=True)
+    not_equal = _fast(torch.ne, ops.not_equal, constants=True)
+    greater = _fast(torch.gt, ops.greater, constants=True)
     logical_and = _fast(torch.logical_and, ops.logical_and)
     logical_or = _fast(torch.logical_or, ops.logical_or)
     logical_not = _fast(torch.logical_not, ops.logical_not)
     isfinite = _fast(torch.isfinite, ops.isfinite)
     abs = _fast(torch.abs, ops.abs)
     ones_like = _fast(torch.ones_like, ops.ones_like)
-    bitwise_and = _fast(torch.bitwise_and, ops.bitwise_and)
-    bitwise_or = _fast(torch.bitwise_or, ops.bitwise_or)
-    left_shift = _fast(torch.bitwise_left_shift, ops.left_shift)
-    right_shift = _fast(torch.bitwise_right_shift, ops.right_shift)
-    floor_divide = _fast(torch.floor_divide, ops.floor_divide)
+    bitwise_and = _fast(torch.bitwise_and, ops.bitwise_and, constants=True)
+    bitwise_or = _fast(torch.bitwise_or, ops.bitwise_or, constants=True)
+    left_shift = _fast(torch.bitwise_left_shift, ops.left_shift, constants=True)
+    right_shift = _fast(torch.bitwise_right_shift, ops.right_shift, constants=True)
+    floor_divide = _fast(torch.floor_divide, ops.floor_divide, constants=True)
     clip = _fast(torch.clamp, ops.clip)
+    square = _fast(torch.square, ops.square)
+    sqrt = _fast(torch.sqrt, ops.sqrt)
+
+    def mean(x):
+        """The mean over all elements."""
+        if isinstance(x, torch.Tensor):
+            return torch.mean(x)
+        return ops.mean(x)
+
+    def identity_in_custom_gradient(x):
+        """`x` as the output of a custom-gradient forward: torch's autograd
+        returns an input as a fresh alias with the node's gradient (no pass
+        over the data)."""
+        return x
 
     def max(x):
         """The max over all elements (Keras's torch `max` reads `.values`
@@ -138,13 +222,11 @@ if TORCH:
         return ops.convert_to_tensor(variable)
 
 else:
-    from keras.src.backend import standardize_dtype
-
     is_tensor = ops.is_tensor
 
     def has_dtype(x, dtype):
         """Whether `x` is a tensor of the (standardized) `dtype`."""
-        return ops.is_tensor(x) and standardize_dtype(x.dtype) == dtype
+        return ops.is_tensor(x) and dtype_name(x.dtype) == dtype
 
     cast = ops.cast
     view = ops.view
@@ -152,6 +234,8 @@ else:
     where = ops.where
     divide_no_nan = ops.divide_no_nan
     multiply = ops.multiply
+    add = ops.add
+    subtract = ops.subtract
     maximum = ops.maximum
     minimum = ops.minimum
     equal = ops.equal
@@ -169,6 +253,18 @@ else:
     right_shift = ops.right_shift
     floor_divide = ops.floor_divide
     clip = ops.clip
+    square = ops.square
+    sqrt = ops.sqrt
+
+    def mean(x):
+        """The mean over all elements."""
+        return ops.mean(x)
+
+    def identity_in_custom_gradient(x):
+        """`x` as the output of a custom-gradient forward: a multiply by
+        one (a TensorFlow custom gradient must not return its input; XLA and
+        Grappler drop the multiply)."""
+        return ops.multiply(x, ops.ones((), x.dtype))
 
     def max(x):
         """The max over all elements."""

@@ -13,7 +13,8 @@ import collections
 import ml_dtypes
 import numpy as np
 from keras import ops
-from keras.src.backend import standardize_dtype
+
+from keras_scalify.backend.scalar import dtype_name
 
 FloatFormat = collections.namedtuple(
     "FloatFormat", ["name", "max", "smallest_normal", "smallest_subnormal"]
@@ -42,7 +43,7 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 def get_format(dtype):
     """The `FloatFormat` of `dtype` (a name or a backend dtype)."""
-    name = standardize_dtype(dtype)
+    name = dtype_name(dtype)
     if name not in FORMATS:
         raise ValueError(
             f"Unsupported format dtype={dtype!r}; expected one of "
@@ -75,7 +76,7 @@ def saturating_cast(x, dtype):
     """
     fmt = get_format(dtype)
     x = ops.convert_to_tensor(x)
-    src = standardize_dtype(x.dtype)
+    src = dtype_name(x.dtype)
     if src in FORMATS and FORMATS[src].max < fmt.max:
         if src in FP8_DTYPES and fmt.name != "float32":
             x = ops.cast(x, "float32")  # FP8 casts go through float32
@@ -107,7 +108,7 @@ def saturating_round(x, dtype):
     vector instructions, where its FP8 conversions take several times
     longer. `dtype`: float8_e4m3fn, float8_e5m2 or float16.
     """
-    name = standardize_dtype(dtype)
+    name = dtype_name(dtype)
     if name not in _ROUNDABLE:
         raise ValueError(
             f"saturating_round supports dtype in {sorted(_ROUNDABLE)}; got "

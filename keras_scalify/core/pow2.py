@@ -78,7 +78,7 @@ def _subnormal_pow2_bits(mant):
     # `mant` < 2**23 converts to float32 exactly; its exponent is the index
     # of the highest set bit.
     as_float = S.cast(S.maximum(mant, 1), "float32")
-    top_bit = S.right_shift(_bits(as_float), 23) - 127
+    top_bit = S.subtract(S.right_shift(_bits(as_float), 23), 127)
     return S.left_shift(S.ones_like(mant), top_bit)
 
 
@@ -119,7 +119,7 @@ def _double_bits(b):
     exp = S.bitwise_and(b, _EXP_MASK)
     # Normal: add one to the exponent (2**127 becomes inf, as it should).
     # Subnormal (or zero): shift the single mantissa bit left.
-    return S.where(S.equal(exp, 0), S.left_shift(b, 1), b + (1 << 23))
+    return S.where(S.equal(exp, 0), S.left_shift(b, 1), S.add(b, 1 << 23))
 
 
 def pow2_decompose(x):
@@ -171,10 +171,10 @@ def np_pow2_decompose(x):
 def pow2_exponent(x):
     """`floor(log2|x|)` of a normal float32 `x`, as int32 (exact)."""
     b = _bits(_as_f32(x))
-    return S.right_shift(S.bitwise_and(b, _EXP_MASK), 23) - 127
+    return S.subtract(S.right_shift(S.bitwise_and(b, _EXP_MASK), 23), 127)
 
 
 def pow2_from_exponent(e):
     """`2**e` as float32 for int32 `e`, clamped to [-126, 127] (exact)."""
     e = S.clip(as_dtype(e, "int32"), -126, 127)
-    return _from_bits(S.left_shift(e + 127, 23))
+    return _from_bits(S.left_shift(S.add(e, 127), 23))

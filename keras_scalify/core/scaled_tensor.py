@@ -8,6 +8,8 @@ import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend.scalar import dtype_name
+
 
 _FLOAT_DTYPES = (
     "float16",
@@ -81,7 +83,7 @@ class ScaledTensor(
 
     @property
     def dtype(self):
-        return standardize_dtype(self.data.dtype)
+        return dtype_name(self.data.dtype)
 
     @property
     def ndim(self):
@@ -204,7 +206,7 @@ def _check_number_scale(name, v, allow_zero):
 
 
 def _check_float(name, x):
-    dtype = standardize_dtype(x.dtype)
+    dtype = dtype_name(x.dtype)
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"`{name}` must have a floating-point dtype, got {dtype}. "
@@ -231,7 +233,7 @@ def _as_scale_tensor(name, s):
             f"`{name}` must be a scalar (rank 0), got shape {tuple(s.shape)}."
         )
     _check_float(name, s)
-    if standardize_dtype(s.dtype) != "float32":
+    if dtype_name(s.dtype) != "float32":
         s = ops.cast(s, "float32")
     return s
 

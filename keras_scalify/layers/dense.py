@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_scalify.backend.scalar import dtype_name
 from keras_scalify import ops as sops
 from keras_scalify.backend import fp8
 from keras_scalify.core.formats import FP8_DTYPES
@@ -37,7 +38,7 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
         cal = (ops.logical_not(calibrated), calibrated)
     mm = layer.policy_dtype("matmul_dtype")
     gd = layer.policy_dtype("grad_dtype")
-    if keras.src.backend.standardize_dtype(mm) in FP8_DTYPES:
+    if dtype_name(mm) in FP8_DTYPES:
         # One FP8 dispatch for the forward GEMM and both backward GEMMs.
         out = "float32" if epilogue else layer.compute_dtype
         if subscripts_or_none is None:
@@ -54,7 +55,7 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
         y = sops.einsum(subscripts_or_none, x, w, calibrated=cal)
     y = sops.cast_on_backward(y, gd)
     cd = layer.compute_dtype
-    if y.dtype != keras.src.backend.standardize_dtype(cd):
+    if y.dtype != dtype_name(cd):
         y = sops.cast(y, cd)
     return y
 
@@ -62,7 +63,7 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
 def bias_and_activation(layer, y):
     """`activation(y + bias)` in float32, rounded once to the compute dtype
     (`y` only cast to it when the layer has neither)."""
-    dtype = keras.src.backend.standardize_dtype(layer.compute_dtype)
+    dtype = dtype_name(layer.compute_dtype)
     if layer._bias is None and layer._act is None:
         return sops.cast(y, dtype)
     y = to_float32(y)

@@ -136,12 +136,11 @@ class ScaledVariable:
         gs = effective_grad_scale(S.stop_gradient(read_tensor(self.grad_scale)), scale)
         if not rebalance:
             return ScaledTensor(data, scale, gs)
-        m = S.stop_gradient(S.max(ops.abs(ops.cast(data, "float32"))))
-        nonzero = ops.logical_and(ops.greater(m, 0.0), ops.isfinite(m))
-        k = ops.where(nonzero, pow2.pow2_round_down(m), 1.0)
-        one = ops.ones((), "float32")
-        data = rescale(data, one / k, one)
-        return ScaledTensor(data, ops.where(nonzero, scale * k, 0.0), gs)
+        m = S.stop_gradient(S.max(S.abs(pow2.as_dtype(data, "float32"))))
+        nonzero = S.logical_and(S.greater(m, 0.0), S.isfinite(m))
+        k = S.where(nonzero, pow2.pow2_round_down(m), 1.0)
+        data = rescale(data, 1.0 / k, S.ones_like(k))
+        return ScaledTensor(data, S.where(nonzero, scale * k, 0.0), gs)
 
     @property
     def calibrated(self):

@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 from keras import ops
-from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
@@ -28,7 +28,7 @@ _LOW = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 def _mul_pow2(x, factor):
     """`x * factor` for a float32 pow2 scalar, rounding once in x's dtype."""
-    dtype = standardize_dtype(x.dtype)
+    dtype = dtype_name(x.dtype)
     if dtype in _LOW:
         return S.cast(S.multiply(S.cast(x, "float32"), factor), dtype)
     return S.multiply(x, pow2.as_dtype(factor, dtype))
@@ -55,7 +55,7 @@ def _rescale_bwd(x, bwd):
         g = _upstream(args, upstream)
         return _mul_pow2(g, bwd), None
 
-    return ops.multiply(x, ops.ones((), x.dtype)), grad
+    return S.identity_in_custom_gradient(x), grad
 
 
 def _f32(v):
@@ -191,7 +191,7 @@ def check_input(name, x):
             f"{x!r}."
         )
     try:
-        dtype = standardize_dtype(
+        dtype = dtype_name(
             getattr(x, "dtype", None) or np.asarray(x).dtype
         )
     except ValueError:
@@ -260,7 +260,7 @@ def result_dtype(*xs):
     """The dtype Keras gives an op on tensors of these dtypes."""
     import keras
 
-    return keras.backend.result_type(*[standardize_dtype(x.dtype) for x in xs])
+    return keras.backend.result_type(*[dtype_name(x.dtype) for x in xs])
 
 
 def same_dtype(xs):

@@ -21,8 +21,10 @@ costs no pass of its own:
 OPERAND_RATIO = 4
 
 from keras import ops
-from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend.scalar import dtype_name
+from keras_scalify.backend import scalar as S
+from keras_scalify.core.pow2 import as_dtype
 from keras_scalify.ops._common import _upstream
 from keras_scalify.ops._common import static_count
 
@@ -34,16 +36,13 @@ def _apply(gemm, x, y, factor, out_shape, dtype, exact):
         smaller = 0 if sizes[0] <= sizes[1] else 1
         if sizes[smaller] * OPERAND_RATIO <= static_count(out_shape):
             if smaller == 0:
-                return gemm(ops.multiply(x, factor), y)
-            return gemm(x, ops.multiply(y, factor))
-    out = ops.multiply(gemm(x, y), factor)
-    if standardize_dtype(out.dtype) != dtype:
-        out = ops.cast(out, dtype)
-    return out
+                return gemm(S.multiply(x, factor), y)
+            return gemm(x, S.multiply(y, factor))
+    return as_dtype(S.multiply(gemm(x, y), factor), dtype)
 
 
 def _all_float32(*xs):
-    return all(standardize_dtype(x.dtype) == "float32" for x in xs)
+    return all(dtype_name(x.dtype) == "float32" for x in xs)
 
 
 def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
@@ -52,7 +51,7 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
     dtypes. `factors = (f_out, f_a, f_b)`: float32 pow2 scalar tensors.
     `quantized`: the GEMMs round their operands (FP8), so a factor is never
     moved onto an operand."""
-    out_dtype = standardize_dtype(out_dtype)
+    out_dtype = dtype_name(out_dtype)
     exact = not quantized and _all_float32(a, b) and out_dtype == "float32"
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
 
@@ -60,8 +59,8 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
     def fn(a, b, f_out, f_a, f_b):
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
-            ga = _apply(gemms.grad_a, g, b, f_a, a_shape, standardize_dtype(a.dtype), exact)
-            gb = _apply(gemms.grad_b, a, g, f_b, b_shape, standardize_dtype(b.dtype), exact)
+            ga = _apply(gemms.grad_a, g, b, f_a, a_shape, dtype_name(a.dtype), exact)
+            gb = _apply(gemms.grad_b, a, g, f_b, b_shape, dtype_name(b.dtype), exact)
             return ga, gb, None, None, None
 
         return _apply(gemms.forward, a, b, f_out, out_shape, out_dtype, exact), grad

@@ -7,7 +7,7 @@ evaluated in float32 on the represented value; it is bounded, so a huge
 
 from keras import ops
 
-from keras_scalify.backend.activations import gated
+from keras_scalify.backend.fused import gated
 from keras_scalify.core.pow2 import as_dtype
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled

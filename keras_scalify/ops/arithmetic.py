@@ -10,6 +10,8 @@ import math
 import numpy as np
 from keras import ops
 
+from keras_scalify.backend import fused
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
@@ -38,10 +40,11 @@ def binary_operands(x1, x2):
 
 
 def add_scale(sa, sb):
-    """`P(sqrt(sa**2 + sb**2))`, computed without overflow."""
-    m = ops.maximum(sa, sb)
-    r = safe_div(ops.minimum(sa, sb), m)
-    return pow2.pow2_round_down(m * ops.sqrt(1.0 + r * r))
+    """`P(sqrt(sa**2 + sb**2))`, which for scales that are powers of two (or
+    0) is `max(sa, sb)`: `sqrt(M² + m²)` lies in `[M, sqrt(2)·M]` for
+    `m <= M`, below `2M`. One op instead of a dozen on eager torch;
+    non-finite scales stay non-finite."""
+    return S.maximum(sa, sb)
 
 
 def _add_sub(x1, x2, sign, calibrated=None):
@@ -50,9 +53,12 @@ def _add_sub(x1, x2, sign, calibrated=None):
     sb, gb = scalars(b)
     s = add_scale(sa, sb)
     g = pow2_mean(*votes([ga, gb], check_calibrated(calibrated, 2)))
-    da = rescale(a.data, safe_div(sa, s), safe_div(g, ga))
-    db = rescale(b.data, safe_div(sb, s), safe_div(g, gb))
-    return ScaledTensor(da + sign * db, s, g)
+    fa, ba = safe_div(sa, s), safe_div(g, ga)
+    fb, bb = safe_div(sb, s), safe_div(g, gb)
+    if fused.applies(a.data, b.data, fa, ba, fb, bb):
+        return ScaledTensor(fused.scaled_sum(a.data, fa, ba, b.data, fb, bb, sign), s, g)
+    da, db = rescale(a.data, fa, ba), rescale(b.data, fb, bb)
+    return ScaledTensor(da + db if sign > 0 else da - db, s, g)
 
 
 def add(x1, x2, *, calibrated=None):
@@ -102,9 +108,10 @@ def multiply(x1, x2, *, calibrated=None):
         g = _static_gs(gx, k, -1)
         return ScaledTensor(a.data * b.data, s, g)
     g = pow2_mean(*votes([safe_div(ga, sb), safe_div(gb, sa)], check_calibrated(calibrated, 2)))
-    da = scale_grad(a.data, grad_factor(s, g, sa, ga))
-    db = scale_grad(b.data, grad_factor(s, g, sb, gb))
-    return ScaledTensor(da * db, s, g)
+    ca, cb = grad_factor(s, g, sa, ga), grad_factor(s, g, sb, gb)
+    if fused.applies(a.data, b.data, ca, cb):
+        return ScaledTensor(fused.scaled_product(a.data, ca, b.data, cb), s, g)
+    return ScaledTensor(scale_grad(a.data, ca) * scale_grad(b.data, cb), s, g)
 
 
 def divide(x1, x2):

@@ -17,8 +17,8 @@ an overflowed gradient still reaches the optimizer's skip check.
 """
 
 from keras import ops
-from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.formats import saturating_cast
@@ -37,13 +37,13 @@ def round_to_format(x, dtype):
 
 
 def _cast_back(g, dtype):
-    return ops.cast(g, dtype) if standardize_dtype(g.dtype) != dtype else g
+    return ops.cast(g, dtype) if dtype_name(g.dtype) != dtype else g
 
 
 def _forward_fn(dtype):
     @ops.custom_gradient
     def fn(x):
-        src = standardize_dtype(x.dtype)
+        src = dtype_name(x.dtype)
 
         def grad(*args, upstream=None, variables=None):
             g = args[0] if upstream is None else upstream
@@ -59,7 +59,7 @@ def _backward_fn(dtype):
     def fn(x):
         def grad(*args, upstream=None, variables=None):
             g = args[0] if upstream is None else upstream
-            return _cast_back(round_to_format(g, dtype), standardize_dtype(g.dtype))
+            return _cast_back(round_to_format(g, dtype), dtype_name(g.dtype))
 
         return ops.multiply(x, ops.ones((), x.dtype)), grad
 
@@ -68,7 +68,7 @@ def _backward_fn(dtype):
 
 def _dtype_of(x):
     if is_scaled(x) or hasattr(x, "dtype"):
-        return standardize_dtype(x.dtype)
+        return dtype_name(x.dtype)
     return None
 
 
@@ -77,7 +77,7 @@ def cast_on_forward(x, dtype):
     identity on the gradient. Scale rule: unchanged."""
     check_input("x", x)
     get_format(dtype)
-    dtype = standardize_dtype(dtype)
+    dtype = dtype_name(dtype)
     if _dtype_of(x) == dtype:
         return x
     fn = _forward_fn(dtype)
@@ -91,7 +91,7 @@ def cast_on_backward(x, dtype):
     saturating cast to `dtype` in the backward pass. Scale rule: unchanged."""
     check_input("x", x)
     get_format(dtype)
-    dtype = standardize_dtype(dtype)
+    dtype = dtype_name(dtype)
     if _dtype_of(x) == dtype:
         return x
     fn = _backward_fn(dtype)

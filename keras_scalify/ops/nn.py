@@ -8,6 +8,8 @@ import math
 import numpy as np
 from keras import ops
 
+from keras_scalify.backend import fused
+from keras_scalify.backend import scalar as S
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
@@ -73,7 +75,7 @@ def _normalize(x, axis, epsilon, center):
     if epsilon is None:
         epsilon = keras.config.epsilon()
     sa, ga = scalars(x)
-    a = ops.cast(x.data, "float32")
+    a = pow2.as_dtype(x.data, "float32")
     # (X - E X)/sqrt(Var X + eps) == (a - E a)/sqrt(Var a + eps/sa²), with
     # eps/sa² computed as (eps/sa)/sa (sa² underflows float32 below 2^-63).
     # When eps dominates (sa < sqrt(eps)), eps/sa² may overflow: the factor
@@ -83,11 +85,13 @@ def _normalize(x, axis, epsilon, center):
     # so the model is unchanged (the paper's variant drops eps/sa²). The eps
     # term is kept >= the smallest float32 normal: under a scale beyond
     # ~2^60 it would underflow to 0, and a constant row would give 0·inf.
-    q = ops.maximum(pow2.np_pow2_round_down(math.sqrt(epsilon)) / sa, 1.0)
+    q = S.maximum(pow2.np_pow2_round_down(math.sqrt(epsilon)) / sa, 1.0)
     inv = 1.0 / (sa * q)
-    eps_d = ops.maximum((epsilon * inv) * inv, 2.0**-126)
+    eps_d = S.maximum((epsilon * inv) * inv, 2.0**-126)
     inv_q = 1.0 / q
-    if center:
+    if center and fused.applies(a, inv_q, eps_d):
+        out = fused.normalize(a, _axes(axis), inv_q, eps_d)
+    elif center:
         mean, var = ops.moments(a, axes=_axes(axis), keepdims=True)
         inv = ops.rsqrt((var * inv_q) * inv_q + eps_d)
         out = a * inv + (-mean * inv)

@@ -34,13 +34,13 @@ STATISTICS = ("l1", "l2", "max")
 
 def data_statistic(data, statistic):
     """Mean |d| (l1), RMS (l2) or max |d| (max) of `data`, in float32."""
-    d = ops.cast(data, "float32")
+    d = S.cast(data, "float32")
     if statistic == "l1":
-        return ops.mean(ops.abs(d))
+        return S.mean(S.abs(d))
     if statistic == "l2":
-        return ops.sqrt(ops.mean(ops.square(d)))
+        return S.sqrt(S.mean(S.square(d)))
     if statistic == "max":
-        return S.max(ops.abs(d))
+        return S.max(S.abs(d))
     raise ValueError(
         f"`statistic` must be one of {STATISTICS}, got {statistic!r}."
     )
@@ -116,6 +116,9 @@ def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     """`next_grad_scale` from an already measured statistic `stat` (float32
     scalar) of a cotangent in `g_out` units.
 
+    Elementwise: `stat` and `g_out` may be vectors (one entry per weight),
+    and `zero_may_be_underflow` a bool tensor of the same length.
+
     `zero_may_be_underflow=False` (a float32 cotangent, whose every value
     would have to be below 2**-149 to vanish): an all-zero cotangent is a
     true zero (an unused weight, a dead unit), so the grad scale is kept
@@ -124,11 +127,13 @@ def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     finite = S.isfinite(stat)
     e_out = pow2.pow2_exponent(g_out)
     e_stat = pow2.pow2_exponent(S.where(finite, stat, S.ones_like(stat)))
-    if zero_may_be_underflow:
+    if zero_may_be_underflow is False:
+        e_zero = e_out
+    else:
         floor = S.minimum(e_out, ZERO_SEARCH_MIN_EXPONENT)
         e_zero = S.maximum(e_out - RECOVERY_EXPONENT, floor)
-    else:
-        e_zero = e_out
+        if zero_may_be_underflow is not True:
+            e_zero = S.where(zero_may_be_underflow, e_zero, e_out)
     e_new = S.where(S.greater(stat, 0.0), e_out + e_stat, e_zero)
     e_new = S.where(finite, e_new, e_out + RECOVERY_EXPONENT)
     return pow2.pow2_from_exponent(e_new)

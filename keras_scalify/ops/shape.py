@@ -1,8 +1,8 @@
 """Scale rules of shape, indexing and dtype ops: scale and grad scale unchanged."""
 
 from keras import ops
-from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.core.formats import FORMATS
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.formats import saturating_cast
@@ -123,7 +123,7 @@ def cast(x, dtype):
     check_input("x", x)
     if not is_scaled(x):
         return ops.cast(x, dtype)
-    name = standardize_dtype(dtype)
+    name = dtype_name(dtype)
     if name not in FORMATS:
         raise TypeError(
             f"`dtype` must be one of {sorted(FORMATS)} for a ScaledTensor, "
@@ -141,11 +141,11 @@ def cast(x, dtype):
 def _cast_with_grad(x, ref):
     """Saturating cast whose cotangent is cast back to `x`'s dtype."""
     src = x.dtype
-    out = saturating_cast(x, standardize_dtype(ref.dtype))
+    out = saturating_cast(x, dtype_name(ref.dtype))
 
     def grad(*args, upstream=None, variables=None):
         g = args[0] if upstream is None else upstream
-        return saturating_cast(g, standardize_dtype(src)), None
+        return saturating_cast(g, dtype_name(src)), None
 
     return out, grad
 

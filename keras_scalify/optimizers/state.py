@@ -62,7 +62,7 @@ def encode_weight(value, scale, dtype, key=None):
     """
     # A normal pow2 scale has an exact reciprocal: one multiply per element
     # instead of a divide (the scale is kept normal).
-    scale = ops.clip(scale, SCALE_MIN, SCALE_MAX)
+    scale = S.clip(scale, SCALE_MIN, SCALE_MAX)
     data = value * (1.0 / scale)
     if dtype == "float32":
         return data, scale

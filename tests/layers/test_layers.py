@@ -277,7 +277,10 @@ def _layer_norm_formula(k, axis):
     gamma, beta = (ops.reshape(ops.convert_to_tensor(w), (1, -1, 1)) for w in k.get_weights())
 
     def fn(x):
-        mean, var = ops.moments(x, axes=[axis], keepdims=True)
+        # Two passes (Keras's torch `moments` takes E[x²] - E[x]², which
+        # loses digits to cancellation on rows with a large mean).
+        mean = ops.mean(x, axis=axis, keepdims=True)
+        var = ops.mean(ops.square(x - mean), axis=axis, keepdims=True)
         return (x - mean) * ops.rsqrt(var + k.epsilon) * gamma + beta
 
     return fn

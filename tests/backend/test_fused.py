@@ -1,0 +1,108 @@
+"""`keras_scalify.backend.fused`: `gated` (`a·gate(a·s)` and its derivative
+`f'(a·s)` match float64 at every scale, including the scales where `a·s`
+overflows or is subnormal in float32: the fused torch node clips `u` in its
+backward; the composition of `keras.ops` elsewhere), and the rules that
+use the fused sum and product (`add`, `subtract`, `multiply` of operands
+with different scales, broadcast: values and gradients equal plain Keras's
+on every backend, through the torch nodes on torch)."""
+
+import math
+
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_scalify as ksc
+from keras_scalify.backend import value_and_grad
+from keras_scalify.backend.fused import KINDS
+from keras_scalify.backend.fused import gated
+from tests.conftest import to_np
+
+A = np.array(
+    [0.0, 1e-3, -1e-3, 0.3, -0.3, 1.0, -1.0, 2.5, -2.5, 7.0, -7.0, 40.0, -40.0],
+    np.float32,
+)
+SCALES = [2.0**-140, 2.0**-100, 2.0**-20, 1.0, 2.0**20, 2.0**100, 2.0**127]
+
+_K = math.sqrt(2.0 / math.pi)
+
+
+def _gate64(u, kind):
+    if kind == "gelu":
+        return 0.5 * (1.0 + math.erf(u / math.sqrt(2.0)))
+    if kind == "gelu_tanh":
+        return 0.5 * (1.0 + math.tanh(_K * (u + 0.044715 * u**3))) if abs(u) < 20 else float(u > 0)
+    return 1.0 / (1.0 + math.exp(-u)) if u > -700 else 0.0
+
+
+def _reference(a, s, kind):
+    """float64 `a·g(u)` and `f'(u) = g(u) + u·g'(u)` (by a central
+    difference in u, relative step 1e-6; exact where g saturates)."""
+    values, slopes = [], []
+    for x in a.astype(np.float64):
+        u = x * s
+        values.append(x * _gate64(u, kind))
+        h = max(abs(u), 1.0) * 1e-6
+        f = lambda v: v * _gate64(v, kind)
+        slopes.append((f(u + h) - f(u - h)) / (2 * h))
+    return np.array(values), np.array(slopes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("s", SCALES, ids=lambda s: f"2^{int(math.log2(s))}")
+def test_gated_matches_float64(kind, s):
+    want, want_slope = _reference(A, s, kind)
+    scale = ops.convert_to_tensor(np.float32(s))
+    value, (slope,) = value_and_grad(
+        lambda a: ops.sum(gated(a, scale, kind))
+    )(ops.convert_to_tensor(A))
+    got = to_np(gated(ops.convert_to_tensor(A), scale, kind))
+    assert np.all(np.isfinite(got)) and np.all(np.isfinite(to_np(slope)))
+    # float32 gates lose the far negative tail (1 + erf(u/√2) cancels):
+    # errors are measured against |a|, the magnitude the output is added at.
+    np.testing.assert_array_less(np.abs(got - want), 2e-5 * np.abs(want) + 1e-6 * np.abs(A) + 1e-45)
+    np.testing.assert_allclose(to_np(slope), want_slope, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_unknown_kind_is_named():
+    with pytest.raises(ValueError, match="kind"):
+        gated(ops.ones((2,)), ops.ones(()), "relu")
+
+
+BINARY = [
+    ("add", ksc.ops.add, ops.add),
+    ("subtract", ksc.ops.subtract, ops.subtract),
+    ("multiply", ksc.ops.multiply, ops.multiply),
+]
+# (shape of x1, shape of x2): same shape, x2 broadcast (a bias), x1 broadcast.
+SHAPES = [((4, 6), (4, 6)), ((3, 4, 6), (6,)), ((6,), (3, 4, 6))]
+# (scale, grad scale) of each operand.
+OPERAND_SCALES = [((2.0**-20, 2.0**6), (2.0**8, 2.0**-3)), ((1.0, 1.0), (2.0**-4, 2.0**9))]
+
+
+@pytest.mark.parametrize("scales", OPERAND_SCALES, ids=["far", "near"])
+@pytest.mark.parametrize("shapes", SHAPES, ids=["same", "x2_broadcast", "x1_broadcast"])
+@pytest.mark.parametrize("name,scaled_fn,plain_fn", BINARY, ids=[b[0] for b in BINARY])
+def test_binary_rules_match_plain_keras(name, scaled_fn, plain_fn, shapes, scales):
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    out_shape = np.broadcast_shapes(*shapes)
+    upstream = ops.convert_to_tensor(rng.standard_normal(out_shape).astype("float32"))
+
+    def scaled(*args):
+        ys = [
+            ksc.as_scaled(a * np.float32(1.0 / s), np.float32(s), np.float32(g))
+            for a, (s, g) in zip(args, scales)
+        ]
+        return ops.sum(ksc.to_array(scaled_fn(*ys)) * upstream)
+
+    def plain(*args):
+        return ops.sum(plain_fn(*args) * upstream)
+
+    args = [ops.convert_to_tensor(x) for x in xs]
+    value, grads = value_and_grad(scaled)(*args)
+    want, want_grads = value_and_grad(plain)(*args)
+    np.testing.assert_allclose(to_np(value), to_np(want), rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        assert tuple(g.shape) == tuple(w.shape)
+        np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-5, atol=1e-6)
