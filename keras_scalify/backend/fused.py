@@ -16,7 +16,8 @@ a float32 scalar `s` whose gradient is not taken. Its derivative in `a` is
 - JAX and TensorFlow: the composition of `keras.ops`, which XLA / Grappler
   fuse, and autodiff differentiates.
 - Eager torch: one autograd node. The forward computes the gate without
-  recording a graph (`torch.special.ndtr` for the erf GELU); the backward is
+  recording a graph (the erf GELU as `a·erfc(-a·s/√2)/2`: three passes);
+  the backward is
   torch's own fused `gelu_backward` / `silu_backward` at `u`, clipped to
   where the derivative is exactly saturated in float32 (so `u = ±inf` from
   an overflowing `a·s` gives 1 or 0, not NaN). The composition recorded ~8
@@ -32,7 +33,7 @@ operand (the composition: a multiply per operand, then the sum).
 
 **Normalization** `normalize(a, axes, inv_q, eps)`: the centred
 layer norm of float32 data with a rescaled variance (the rule of
-`layer_normalization`).
+`layer_normalization`), its variance taken around the mean.
 
 **Product with cotangent factors** `scaled_product(a, ca, b, cb)`: `a·b`
 with backward `cotangent·b·ca` and `cotangent·a·cb` (the rule of
@@ -76,10 +77,18 @@ def _gated_ops(a, s, kind):
 if TORCH:
     import torch
 
-    def _torch_gate(u, kind):
+    def _forward(a, s, kind):
+        """`a·gate(a·s)` without recording a graph, in few passes: the erf
+        GELU as `a·erfc(a·(-s/√2))·0.5` (`s/√2` rounds as `1/√2` does,
+        `s` being a power of two; `erfc` keeps the far negative tail that
+        `1 + erf` cancels; torch's erf-family kernels cost ~10 multiplies
+        each on CPU, so the pass count matters less than their number)."""
         if kind == "gelu":
-            return torch.special.ndtr(u)
-        return gate(u, kind)
+            w = torch.special.erfc(a * (s * (-1.0 / math.sqrt(2.0))))
+            return w.mul_(a).mul_(0.5)
+        if kind == "silu":
+            return torch.sigmoid(a * s).mul_(a)
+        return a * gate(a * s, kind)
 
     def _derivative(grad, u, kind):
         c = _SATURATED[kind]
@@ -92,15 +101,14 @@ if TORCH:
     class _Gated(torch.autograd.Function):
         @staticmethod
         def forward(ctx, a, s, kind):
-            u = a * s
-            ctx.save_for_backward(u)
+            ctx.save_for_backward(a, s)
             ctx.kind = kind
-            return a * _torch_gate(u, kind)
+            return _forward(a, s, kind)
 
         @staticmethod
         def backward(ctx, grad):
-            (u,) = ctx.saved_tensors
-            return _derivative(grad, u, ctx.kind), None, None
+            a, s = ctx.saved_tensors
+            return _derivative(grad, a * s, ctx.kind), None, None
 
     def gated(a, s, kind):
         """`a·gate(a·s)` (module docstring); `s` gets no gradient."""
@@ -161,12 +169,15 @@ if TORCH:
 
     def normalize(a, axes, inv_q, eps):
         """`(a - E a)·rsqrt(Var a · inv_q · inv_q + eps)` over `axes`
-        (kept; `inv_q²` alone may underflow). One `var_mean` and one
-        `addcmul` pass (Keras's torch `moments` makes four passes, the
-        composition two more)."""
-        var, mean = torch.var_mean(a, dim=axes, correction=0, keepdim=True)
-        inv = torch.rsqrt(var * inv_q * inv_q + eps)
-        return torch.addcmul(-mean * inv, a, inv)
+        (kept; `inv_q²` alone may underflow), the variance in two passes
+        (exact for rows with a large mean). Measured on the GPT's
+        [16, 64, 128] activations, one CPU thread: 0.05 ms forward against
+        0.09 ms for Keras's torch `moments` (E[a²] - E[a]²) with the
+        composition, and 0.7 ms for `torch.var_mean` (Welford)."""
+        mean = torch.mean(a, dim=axes, keepdim=True)
+        c = a - mean
+        var = torch.mean(c * c, dim=axes, keepdim=True)
+        return c * torch.rsqrt(var * inv_q * inv_q + eps)
 
     def applies(*xs):
         """Whether `scaled_sum` / `scaled_product` / `normalize` take these operands:
