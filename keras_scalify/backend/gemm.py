@@ -7,9 +7,12 @@ needs a GEMM with a float32 output for the operands' dtype:
 - jax: `jnp.einsum(..., preferred_element_type=float32)` for every dtype
   (float32, bfloat16, float16; XLA uses the low-precision GEMM with float32
   accumulation where the hardware has one, and upcasts on CPU).
-- tensorflow, torch: float32 operands only (`has_float32_gemm`); float16
-  and bfloat16 GEMMs there return their own dtype, and the contraction
-  keeps the layout that protects that output's range.
+- torch on the CPU: every float dtype, upcast to float32 (the CPU has no
+  fast float16/bfloat16 GEMM; the products of narrow floats are exact in
+  float32).
+- tensorflow, torch on a GPU: float32 operands only (`has_float32_gemm`);
+  float16 and bfloat16 GEMMs there return their own dtype, and the
+  contraction keeps the layout that protects that output's range.
 
 `grad_equations` gives the einsum equations of the two backward GEMMs.
 """
@@ -50,12 +53,23 @@ def grad_equations(equation, kind="scaled"):
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
-def has_float32_gemm(*dtypes):
-    """Whether this backend's `einsum_f32` takes operands of `dtypes`
-    without upcasting them (jax: every float dtype; else float32 only)."""
+def has_float32_gemm(*operands):
+    """Whether this backend's `einsum_f32` takes these operands (tensors,
+    or dtypes) without upcasting them: jax, every float dtype; torch
+    tensors on the CPU, every float dtype too (`einsum_f32` upcasts them:
+    torch's CPU float16/bfloat16 GEMMs are emulated, ~10x slower than
+    float32 on the GPT's attention products); else float32 only."""
     if keras.backend.backend() == "jax":
         return True
-    return all(dtype_name(d) == "float32" for d in dtypes)
+    if TORCH and all(_on_cpu(x) for x in operands):
+        return True
+    return all(dtype_name(getattr(x, "dtype", x)) == "float32" for x in operands)
+
+
+def _on_cpu(x):
+    import torch
+
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu"
 
 
 # The data ops around the GEMMs. On torch, the torch functions on torch
@@ -94,6 +108,9 @@ def einsum_f32(equation, a, b):
         import jax.numpy as jnp
 
         return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+    if TORCH and (a.dtype != torch.float32 or b.dtype != torch.float32):
+        # Only CPU tensors come here with other dtypes (`has_float32_gemm`).
+        a, b = a.to(torch.float32), b.to(torch.float32)
     transposes = _matrix_product(equation)
     if transposes is None:
         out = _einsum(equation, a, b)

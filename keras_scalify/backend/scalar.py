@@ -66,12 +66,13 @@ if TORCH:
         (cached), where torch would convert it the same way: a Python
         number in an eager op is wrapped and copied to the operand's dtype
         (4 extra dispatches per op). None where the conversion could differ
-        (other dtypes than float32 and int32, an int tensor with a float,
-        NaN, -0.0, or while `torch.compile` traces)."""
+        (other dtypes than float32 and int32, an int tensor with a float
+        or an int outside int32, NaN, -0.0, or while `torch.compile`
+        traces)."""
         dtype = like.dtype
         if dtype not in _CONSTANT_DTYPES or a != a:
             return None
-        if dtype != torch.float32 and type(a) is not int:
+        if dtype != torch.float32 and (type(a) is not int or not -(2**31) <= a < 2**31):
             return None
         if a == 0 and type(a) is float and math.copysign(1.0, a) < 0:
             return None

@@ -59,9 +59,16 @@ def _has_inf(fmt):
 
 def _keep_nonfinite(x, clipped, fmt):
     """`clipped` where `x` is finite; elsewhere `x` (±inf, NaN), or NaN in a
-    format without inf (torch would cast inf to e4m3fn as ±448)."""
-    fill = x if _has_inf(fmt) else x - x  # inf - inf = NaN
-    return ops.where(ops.isfinite(x), clipped, fill)
+    format without inf (torch would cast inf to e4m3fn as ±448).
+
+    `clipped - (x - x)` is `clipped` for finite `x` (-0 included) and NaN
+    where `x` is ±inf or NaN, whatever the clip made of those: two
+    elementwise passes (a select on `isfinite` took five on eager torch,
+    where every pass is a kernel); formats with inf then put ±inf back."""
+    out = clipped - (x - x)
+    if _has_inf(fmt):
+        out = ops.where(ops.isinf(x), x, out)
+    return out
 
 
 def saturating_cast(x, dtype):

@@ -354,7 +354,7 @@ def _two_operand_equation(subscripts, xs):
 def _gemm_args(equation, a, b):
     """`_contract` arguments for the one-custom-gradient GEMMs, or none
     when the equation or the dtypes need the generic path."""
-    if equation is None or not has_float32_gemm(a.dtype, b.dtype):
+    if equation is None or not has_float32_gemm(a.data, b.data):
         return {}
     gemms = contraction_gemms(equation, tuple(static_dim(d) for d in b.shape))
     return {"gemms": gemms, "out_dtype": result_dtype(a.data, b.data)}
