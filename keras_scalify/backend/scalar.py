@@ -57,6 +57,7 @@ if TORCH:
         return out
 
     _CONSTANTS = {}
+    _TENSOR = torch.Tensor
     # The dtypes of scale arithmetic. (A float16 operand computes with a
     # Python number in float32: a float16 constant would round it first.)
     _CONSTANT_DTYPES = (torch.float32, torch.int32)
@@ -100,6 +101,10 @@ if TORCH:
         (`_constant`)."""
 
         def fn(*args):
+            # The usual calls first: one tensor, or two tensors.
+            if first == 0 and type(args[0]) is _TENSOR:
+                if len(args) == 1 or (len(args) == 2 and type(args[1]) is _TENSOR):
+                    return torch_fn(*args)
             tensor = None
             numbers = False
             for a in args[first:]:

@@ -8,6 +8,7 @@ import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import dtype_name
 
 
@@ -215,6 +216,8 @@ def _check_float(name, x):
 
 
 def _as_scale_tensor(name, s):
+    if S.has_dtype(s, "float32") and len(s.shape) == 0:
+        return s  # what the rules pass: no conversion, nothing to check
     if isinstance(s, bool):
         raise TypeError(f"`{name}` must be a float, got a bool.")
     if type(s) in (float, int):
