@@ -147,10 +147,17 @@ def resolve_route(equation, a_shape, b_shape, route=None):
         raise ValueError(f"`route` must be one of {ROUTES}, got {route!r}.")
     if route == "simulate":
         return "simulate"
+    backend = keras.config.backend()
+    if backend == "torch":
+        # No CPU route: `_scaled_mm` on CUDA, else the simulation (the CPU
+        # flags are not read: under `torch.compile`, dynamo would trace
+        # the file read, a graph break per call).
+        if _torch_route_ok(a_shape, b_shape, equation):
+            return "torch-scaled_mm"
+        return "simulate"
     # On a CPU the native routes multiply as bfloat16: only faster than the
     # simulation's float32 GEMM on bfloat16 units.
     cpu_native = route == "native" or cpu_has_bfloat16()
-    backend = keras.config.backend()
     if backend == "jax":
         import jax
 
@@ -165,8 +172,6 @@ def resolve_route(equation, a_shape, b_shape, route=None):
                 return "tensorflow-xla-bf16"
             return "tensorflow-xla-f32"
         return "tensorflow-xla"
-    if backend == "torch" and _torch_route_ok(a_shape, b_shape, equation):
-        return "torch-scaled_mm"
     return "simulate"
 
 

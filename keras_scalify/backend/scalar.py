@@ -35,10 +35,22 @@ def dtype_name(dtype):
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        name = _DTYPE_NAMES[dtype] = standardize_dtype(dtype)
+        name = standardize_dtype(dtype)
+        if not _compiling():
+            # (Under `torch.compile`, a write to a global inside a custom
+            # gradient is a graph break.)
+            _DTYPE_NAMES[dtype] = name
         return name
     except TypeError:  # unhashable
         return standardize_dtype(dtype)
+
+
+def _compiling():
+    if not TORCH:
+        return False
+    import torch
+
+    return torch.compiler.is_compiling()
 
 if TORCH:
     import torch
@@ -53,7 +65,9 @@ if TORCH:
         every call)."""
         out = _DTYPES.get(dtype)
         if out is None:
-            out = _DTYPES[dtype] = _keras_torch_dtype(dtype)
+            out = _keras_torch_dtype(dtype)
+            if not torch.compiler.is_compiling():
+                _DTYPES[dtype] = out
         return out
 
     _CONSTANTS = {}
