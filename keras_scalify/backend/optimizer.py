@@ -92,15 +92,17 @@ def native_updates(optimizer, guard):
     scope maps (decoded weights and slots, tensors of this step), instead of
     one `Variable.assign` per slot and per pass (2.4x the plain Keras MLP
     step). Elsewhere the generic updates stay: JAX and TensorFlow have no
-    such path, and a guard that is a tensor needs recorded assignments."""
+    such path, and a guard that is a tensor needs recorded assignments.
+    Yields whether the native update runs (the mapped values are then this
+    step's tensors, updated in place)."""
     native = getattr(optimizer, "_ksc_native", {})
     if guard is not True or keras.backend.backend() != "torch" or not native:
-        yield
+        yield False
         return
     generic = {name: optimizer.__dict__[name] for name in native}
     optimizer.__dict__.update(native)
     try:
-        yield
+        yield True
     finally:
         optimizer.__dict__.update(generic)
 

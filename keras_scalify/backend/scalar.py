@@ -221,6 +221,20 @@ if TORCH:
             return torch.mean(x)
         return ops.mean(x)
 
+    def multiply_in_place(x, k):
+        """`x * k`, written into `x` (a tensor no one else reads)."""
+        if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
+            return x.mul_(k)
+        return x * k
+
+    def rms(x):
+        """`sqrt(mean(x²))` over all elements of a float32 tensor, without
+        the squared copy (`vector_norm`; it overflows to inf where the sum
+        of squares does)."""
+        if isinstance(x, torch.Tensor):
+            return torch.linalg.vector_norm(x) * (1.0 / math.sqrt(x.numel() or 1))
+        return ops.sqrt(ops.mean(ops.square(x)))
+
     def identity_in_custom_gradient(x):
         """`x` as the output of a custom-gradient forward: torch's autograd
         returns an input as a fresh alias with the node's gradient (no pass
@@ -279,6 +293,14 @@ else:
     def mean(x):
         """The mean over all elements."""
         return ops.mean(x)
+
+    def multiply_in_place(x, k):
+        """`x * k` (traced backends have no in-place writes)."""
+        return x * k
+
+    def rms(x):
+        """`sqrt(mean(x²))` over all elements."""
+        return ops.sqrt(ops.mean(ops.square(x)))
 
     def identity_in_custom_gradient(x):
         """`x` as the output of a custom-gradient forward: a multiply by

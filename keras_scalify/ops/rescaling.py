@@ -38,7 +38,7 @@ def data_statistic(data, statistic):
     if statistic == "l1":
         return S.mean(S.abs(d))
     if statistic == "l2":
-        return S.sqrt(S.mean(S.square(d)))
+        return S.rms(d)
     if statistic == "max":
         return S.max(S.abs(d))
     raise ValueError(

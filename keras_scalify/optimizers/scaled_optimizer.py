@@ -369,7 +369,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         # Every value the inner optimizer writes is already selected by
         # `guard`; only re-encoded values are selected again.
         with GuardedScope(guard, state_mapping=mapping, initialize_variables=False) as scope:
-            with native_updates(inner, guard):
+            with native_updates(inner, guard) as native:
                 inner.apply(inner_grads, self._inner_vars)
         new = scope.get_current_value
 
@@ -389,7 +389,9 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         keys = self._rounding_keys(weights)
         writes = []
         for (sv, ghost, _), key, scale in zip(weights, keys, new_scales):
-            data, scale = state.encode_weight(new(ghost), scale, sv.master_dtype, key)
+            data, scale = state.encode_weight(
+                new(ghost), scale, sv.master_dtype, key, owned=guard is True and native
+            )
             writes += [commit(sv.data, data), commit(sv.scale, scale)]
         for kind, _, v in self._entries:
             if kind == "plain":

@@ -48,7 +48,7 @@ def rescale_factor(data, rescale):
     )
 
 
-def encode_weight(value, scale, dtype, key=None):
+def encode_weight(value, scale, dtype, key=None, owned=False):
     """`(data, scale)` for the float32 weight `value` with the pow2 `scale`
     (the current scale times `rescale_factor`, kept in the normal range
     `[2**-126, 2**126]`): `data = value · (1/scale)`, exact.
@@ -59,11 +59,15 @@ def encode_weight(value, scale, dtype, key=None):
         dtype: the master dtype of the data.
         key: an int32 scalar key for stochastic rounding
             (`core.rounding.random_bits`), or None for round-to-nearest.
+        owned: `value` is a tensor of this step that nothing else reads
+            (eager torch's in-place update of the decoded weight): it is
+            scaled in place, without a weight-sized temporary.
     """
     # A normal pow2 scale has an exact reciprocal: one multiply per element
     # instead of a divide (the scale is kept normal).
     scale = S.clip(scale, SCALE_MIN, SCALE_MAX)
-    data = value * (1.0 / scale)
+    inv = 1.0 / scale
+    data = S.multiply_in_place(value, inv) if owned else value * inv
     if dtype == "float32":
         return data, scale
     if key is None:

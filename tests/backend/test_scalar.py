@@ -90,6 +90,10 @@ def test_casts_views_and_reductions_match_keras_ops():
     _same(S.mean(finite), ops.mean(finite))
     _same(S.sqrt(S.abs(finite)), ops.sqrt(ops.abs(finite)))
     _same(S.square(x), ops.square(x))
+    np.testing.assert_allclose(
+        to_np(S.rms(finite[:5])), to_np(ops.sqrt(ops.mean(ops.square(finite[:5])))), rtol=1e-6
+    )
+    assert not np.isfinite(to_np(S.rms(f32(np.full(4, 1e20, np.float32)))))
     # (A multiply by one on JAX/TF: XLA and TF flush the subnormal to 0.)
     normal = f32(np.delete(F, 4))
     _same(S.identity_in_custom_gradient(normal), normal)
