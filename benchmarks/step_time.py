@@ -3,6 +3,7 @@
     KERAS_BACKEND=jax python benchmarks/step_time.py [--model mlp|gpt|both]
         [--steps 40] [--warmup 3] [--rounds 4] [--batch-size N]
         [--fp8-route auto] [--rows ROW ...] [--breakdown] [--jit-compile]
+        [--op-count]
 
 Two models, each built six ways and trained with Adam by
 `model.train_on_batch` on one fixed batch (no input pipeline is timed):
@@ -69,6 +70,8 @@ makes Keras re-trace it symbolically before every `train_on_batch`; the
 script prints that cost, then marks such layers built and times the steady
 state (`--keep-unbuilt` times them as they are). `--breakdown` (jax)
 also times the jitted forward+backward and optimizer update apart.
+`--op-count` (torch) counts the aten operators of one train_on_batch per
+row with `torch.profiler` (design §9c's operator counts).
 On torch the rows run on 1 CPU thread by default (`--torch-threads`; with
 torch's default threads a loaded 2-core machine gave 5-10x erratic times).
 """
@@ -430,6 +433,11 @@ def run_model(model_name, args):
         for row, model in models.items():
             with fp8.fp8_route(route_of[row]):
                 breakdown[row] = jax_breakdown(model, x, y, max(args.steps // 2, 3))
+    op_counts = {}
+    if args.op_count and backend == "torch":
+        for row, model in models.items():
+            with fp8.fp8_route(route_of[row]):
+                op_counts[row] = torch_op_count(model, x, y)
     base = models.get("Keras float32") or next(iter(models.values()), None)
     params = keras_params(base) if base is not None else "?"
     print(
@@ -494,7 +502,26 @@ def run_model(model_name, args):
             print("|---|---|---|---|---|")
             for row, (fb, op) in breakdown.items():
                 print(f"| {row} | {fb:.2f} | {op:.2f} | {fb + op:.2f} | {med[row] * 1e3:.2f} |")
+    if args.op_count:
+        if backend != "torch":
+            print("\n(--op-count is implemented on torch only)")
+        else:
+            print("\naten operators per train_on_batch (torch.profiler, one step):\n")
+            print("| row | aten operators |")
+            print("|---|---|")
+            for row, n in op_counts.items():
+                print(f"| {row} | {n} |")
     return results
+
+
+def torch_op_count(model, x, y):
+    """aten operators dispatched by one `train_on_batch` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.train_on_batch(x, y)
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
 def threads_text():
@@ -540,6 +567,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--breakdown", action="store_true",
         help="jax only: also time forward+backward and the optimizer update apart",
+    )
+    p.add_argument(
+        "--op-count", action="store_true",
+        help="torch only: also count the aten operators of one train_on_batch per row",
     )
     p.add_argument(
         "--jit-compile", action="store_true", default="auto",

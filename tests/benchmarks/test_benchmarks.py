@@ -84,6 +84,27 @@ def test_step_time_jit_compile(step_time, capsys):
     assert ms > 0 and ratio > 0
 
 
+def test_step_time_op_count(step_time, capsys):
+    """`--op-count`: a table of aten operators per step on torch (a scaled
+    step dispatches more than Keras's); elsewhere a note that it is
+    torch-only."""
+    step_time.main(
+        ["--model", "mlp", "--mlp-input", "8", "--mlp-width", "16", "--mlp-depth", "1",
+         *TINY, "--op-count", "--rows", "Keras float32", "scaled_float32"]
+    )
+    out = capsys.readouterr().out
+    if keras.config.backend() != "torch":
+        assert "--op-count is implemented on torch only" in out
+        return
+    table = out.split("aten operators per train_on_batch")[1]
+    counts = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] != "row":
+            counts[cells[0]] = int(cells[1])
+    assert counts["scaled_float32"] > counts["Keras float32"] > 0
+
+
 def test_step_time_gpt(step_time, capsys):
     # Two rows keep the (jax / tensorflow) compile time of the test short.
     results = step_time.main(
