@@ -3,8 +3,8 @@
 On JAX and TensorFlow each is the composition of `keras.ops` (XLA and
 Grappler fuse it; autodiff differentiates it): `gated` composes it here,
 and where `applies(...)` is false the caller composes `scaled_sum`,
-`scaled_product` and `normalize` from its own rules. On eager torch each is one
-autograd node (`torch.autograd.Function`) that makes fewer passes over the
+`scaled_product` and `normalize` from its own rules. On eager torch each
+is one autograd node (`torch.autograd.Function`) that makes fewer passes over the
 data and records one node instead of several, each with Keras's
 custom-gradient wrapper.
 
@@ -20,10 +20,10 @@ a float32 scalar `s` whose gradient is not taken. Its derivative in `a` is
   the backward is
   torch's own fused `gelu_backward` / `silu_backward` at `u`, clipped to
   where the derivative is exactly saturated in float32 (so `u = ±inf` from
-  an overflowing `a·s` gives 1 or 0, not NaN). The composition recorded ~8
-  elementwise passes and as many autograd nodes (GPT of
-  `benchmarks/step_time.py`: ~3.7 ms per GELU forward and backward on one
-  CPU thread, 1.2 ms this way).
+  an overflowing `a·s` gives 1 or 0, not NaN). The composition records ~8
+  elementwise passes and as many autograd nodes: on the GPT's
+  [16, 64, 512] activations (one CPU thread) 2.8 ms forward and backward,
+  this node 1.7 ms, Keras's fused GELU 0.36 ms.
 
 **Rescaled sum** `scaled_sum(a, fa, ba, b, fb, bb, sign)`: `a·fa + sign·b·fb`
 with backward `cotangent·ba` and `sign·cotangent·bb` (summed to each
@@ -118,9 +118,6 @@ if TORCH:
             return _gated_ops(a, s, kind)
         return _Gated.apply(a, s.detach(), kind)
 
-    def _numel(x):
-        return x.numel()
-
     def _sum_to(x, shape):
         return x.sum_to_size(shape) if tuple(x.shape) != tuple(shape) else x
 
@@ -130,7 +127,7 @@ if TORCH:
             ctx.shapes = (a.shape, b.shape)
             ctx.save_for_backward(ba, bb)
             ctx.sign = sign
-            if _numel(b) <= _numel(a):
+            if b.numel() <= a.numel():
                 return torch.addcmul(b * (fb if sign > 0 else -fb), a, fa)
             return torch.addcmul(a * fa, b, fb, value=sign)
 
@@ -163,7 +160,7 @@ if TORCH:
 
     def _cotangent(g, other, factor, shape):
         """`sum_to(g·other, shape)·factor`, the factor on the smaller side."""
-        if _numel(other) < g.numel():
+        if other.numel() < g.numel():
             return _sum_to(g * (other * factor), shape)
         return _sum_to(g * other, shape) * factor
 
@@ -180,8 +177,9 @@ if TORCH:
         return c * torch.rsqrt(var * inv_q * inv_q + eps)
 
     def applies(*xs):
-        """Whether `scaled_sum` / `scaled_product` / `normalize` take these operands:
-        float32 torch tensors (else the caller composes the rule)."""
+        """Whether `scaled_sum`, `scaled_product` and `normalize` take
+        these operands: float32 torch tensors (else the caller composes
+        the rule)."""
         return all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in xs)
 
     def scaled_sum(a, fa, ba, b, fb, bb, sign=1.0):

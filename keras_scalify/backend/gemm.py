@@ -26,6 +26,9 @@ from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.backend.scalar import TORCH
 from keras_scalify.core.pow2 import as_dtype
 
+if TORCH:
+    import torch
+
 Gemms = collections.namedtuple("Gemms", ["forward", "grad_a", "grad_b"])
 Gemms.__doc__ = """The three GEMMs of `y = einsum(eq, a, b)`, each returning
 float32: `forward(a, b)`, `grad_a(g, b)` (the cotangent of `a` from the
@@ -67,8 +70,6 @@ def has_float32_gemm(*operands):
 
 
 def _on_cpu(x):
-    import torch
-
     return isinstance(x, torch.Tensor) and x.device.type == "cpu"
 
 
@@ -77,7 +78,6 @@ def _on_cpu(x):
 # tensors on every call (~20 µs; a GPT step of `benchmarks/step_time.py`
 # made ~130 such reshapes, transposes and matmuls).
 if TORCH:
-    import torch
 
     def _tensors(*xs):
         return all(isinstance(x, torch.Tensor) for x in xs)

@@ -46,6 +46,7 @@ def dtype_name(dtype):
 
 
 def _compiling():
+    """Whether `torch.compile` is tracing this call."""
     if not TORCH:
         return False
     import torch
@@ -66,7 +67,7 @@ if TORCH:
         out = _DTYPES.get(dtype)
         if out is None:
             out = _keras_torch_dtype(dtype)
-            if not torch.compiler.is_compiling():
+            if not _compiling():
                 _DTYPES[dtype] = out
         return out
 
@@ -91,7 +92,7 @@ if TORCH:
             return None
         if a == 0 and type(a) is float and math.copysign(1.0, a) < 0:
             return None
-        if torch.compiler.is_compiling():
+        if _compiling():
             return None
         key = (a, type(a), dtype, like.device)
         out = _CONSTANTS.get(key)
@@ -223,7 +224,7 @@ if TORCH:
 
     def multiply_in_place(x, k):
         """`x * k`, written into `x` (a tensor no one else reads)."""
-        if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
+        if isinstance(x, torch.Tensor) and not _compiling():
             return x.mul_(k)
         return x * k
 

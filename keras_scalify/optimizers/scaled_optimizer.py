@@ -9,6 +9,7 @@ from keras.src.saving import serialization_lib
 from keras.src.utils import tracking
 
 from keras_scalify.backend import scalar as S
+from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.backend.optimizer import ghost_variable
 from keras_scalify.backend.optimizer import is_ghost
 from keras_scalify.backend.optimizer import native_updates
@@ -334,7 +335,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         stats = ops.stack([data_statistic(g, "l2") for _, _, _, g in measured])
         # A float32 gradient cannot underflow to all zeros.
         underflows = [
-            keras.backend.standardize_dtype(g.dtype) != "float32" for _, _, _, g in measured
+            dtype_name(g.dtype) != "float32" for _, _, _, g in measured
         ]
         if all(underflows) or not any(underflows):
             underflows = underflows[0]
