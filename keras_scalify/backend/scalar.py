@@ -257,6 +257,10 @@ if TORCH:
         return ops.convert_to_tensor(variable)
 
 else:
+    _TF = keras.backend.backend() == "tensorflow"
+    if _TF:
+        import tensorflow as _tf
+
     is_tensor = ops.is_tensor
 
     def has_dtype(x, dtype):
@@ -300,8 +304,20 @@ else:
         return x * k
 
     def rms(x):
-        """`sqrt(mean(x²))` over all elements."""
-        return ops.sqrt(ops.mean(ops.square(x)))
+        """`sqrt(mean(x²))` over all elements (0 for an empty tensor). On
+        TensorFlow a dense float32 tensor's sum of squares is
+        `2·l2_loss(x)`: one pass without the squared copy (Grappler fuses
+        neither `square` into `sum` nor a norm; the two passes were
+        ~0.7 ms of a 9 ms MLP step). It overflows to inf where the sum of
+        squares does."""
+        if _TF and isinstance(x, _tf.Tensor) and x.dtype == _tf.float32:
+            squares = _tf.nn.l2_loss(x) * 2.0
+        else:
+            squares = ops.sum(ops.square(x))
+        if all(isinstance(d, int) for d in x.shape):
+            return ops.sqrt(squares / float(math.prod(x.shape) or 1))
+        n = ops.maximum(ops.cast(ops.size(x), squares.dtype), 1.0)
+        return ops.sqrt(squares / n)
 
     def identity_in_custom_gradient(x):
         """`x` as the output of a custom-gradient forward: a multiply by

@@ -46,7 +46,7 @@ def data_statistic(data, statistic):
     )
 
 
-def _valid_pow2(stat):
+def valid_pow2(stat):
     """`P(stat)` when finite and > 0, else 1 (rescaling is then a no-op)."""
     ok = S.logical_and(S.isfinite(stat), S.greater(stat, 0.0))
     return S.where(ok, pow2.pow2_round_down(stat), S.ones_like(stat))
@@ -56,7 +56,7 @@ def rescale_by_statistic(x, stat):
     """Rule: `k = P(stat)`; `s = sa·k`, `d = a/k`; `g` unchanged. Exact.
     A non-finite or zero `stat` leaves `x` as is (k = 1)."""
     sa, ga = scalars(x)
-    k = stop(_valid_pow2(stat))
+    k = stop(valid_pow2(stat))
     one = ops.ones((), "float32")
     data = rescale(x.data, one / k, one)
     return ScaledTensor(data, sa * k, ga)
@@ -66,7 +66,7 @@ def overflow_safe_rms(data):
     """The RMS of `data` in float32, measured on `data / P(max|data|)` so
     that the squares cannot overflow (1e30 has an RMS); two reductions."""
     d = ops.cast(data, "float32")
-    k = stop(_valid_pow2(S.max(ops.abs(d))))
+    k = stop(valid_pow2(S.max(ops.abs(d))))
     return ops.sqrt(ops.mean(ops.square(d / k))) * k
 
 

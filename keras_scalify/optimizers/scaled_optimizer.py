@@ -1,5 +1,7 @@
 """`ScaledOptimizer`: any Keras optimizer on scaled weights."""
 
+import math
+
 import keras
 import numpy as np
 from keras import ops
@@ -16,6 +18,8 @@ from keras_scalify.backend.optimizer import native_updates
 from keras_scalify.backend.optimizer import GuardedScope
 from keras_scalify.backend.optimizer import assign_all
 from keras_scalify.backend.optimizer import host_bool
+from keras_scalify.backend.optimizer import run_if
+from keras_scalify.backend.optimizer import FUSE_MIN_ELEMENTS
 from keras_scalify.backend.optimizer import use_generic_updates
 from keras_scalify.layers.variable import effective_grad_scale
 from keras_scalify.layers.variable import read_tensor
@@ -311,11 +315,13 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         for c in checks[1:]:
             finite = S.logical_and(finite, c)
 
-        # Eager torch decides on the host (one read per step); a skipped
-        # step then writes nothing but the grad scales and counters.
-        guard = host_bool(finite)
-        if guard is not False:
-            self._update(weights, inner_grads, finite if guard is None else True)
+        # A skipped step writes nothing but the grad scales and counters.
+        elements = sum(math.prod(sv.data.shape) for sv, _, _ in weights)
+        run_if(
+            finite,
+            lambda guard: self._update(weights, inner_grads, guard),
+            fuse=elements >= FUSE_MIN_ELEMENTS,
+        )
         assign_all(always)
         self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
         self._iterations.assign_add(1)
@@ -383,10 +389,8 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         if rescale is False:  # eager torch, between rescaling steps
             new_scales = [read_tensor(sv.scale) for sv, _, _ in weights]
         else:
-            new_scales = [
-                read_tensor(sv.scale) * state.rescale_factor(read_tensor(sv.data), rescale)
-                for sv, _, _ in weights
-            ]
+            factors = state.rescale_factors([read_tensor(sv.data) for sv, _, _ in weights], rescale)
+            new_scales = [read_tensor(sv.scale) * k for (sv, _, _), k in zip(weights, factors)]
         keys = self._rounding_keys(weights)
         writes = []
         for (sv, ghost, _), key, scale in zip(weights, keys, new_scales):

@@ -2,7 +2,7 @@
 
 - Weights (`encode_weight`): the scale is kept between rescalings, so the
   new data is `value / scale`; every `rescale_every` steps the scale moves
-  by `P(rms(data))` of the stored data (`rescale_factor`, read before the
+  by `P(rms(data))` of the stored data (`rescale_factors`, read before the
   update, so that the update stays one pass over the weight) and the data
   returns to unit RMS (exact: a pow2 factor).
   Low-precision data is rounded stochastically, or to nearest.
@@ -20,6 +20,7 @@ from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import saturating_cast
 from keras_scalify.core.rounding import stochastic_cast
+from keras_scalify.ops.rescaling import valid_pow2
 
 SLOT_MAX_EXPONENT = 14
 # Weight scales stay normal powers of two, so that 1/scale is exact.
@@ -27,30 +28,35 @@ SCALE_MIN = 2.0**-126
 SCALE_MAX = 2.0**126
 
 
-def _valid_pow2(stat):
-    """`P(stat)` when finite and > 0, else 1."""
-    ok = ops.logical_and(ops.isfinite(stat), ops.greater(stat, 0.0))
-    return ops.where(ok, pow2.pow2_round_down(ops.where(ok, stat, 1.0)), 1.0)
-
-
 def rms(x):
-    return ops.sqrt(ops.mean(ops.square(ops.cast(x, "float32"))))
+    """The RMS of stored data, in float32 (`backend.scalar.rms`)."""
+    return S.rms(pow2.as_dtype(x, "float32"))
 
 
-def rescale_factor(data, rescale):
-    """`P(rms(data))` of the stored `data` when `rescale` (a bool tensor,
-    or a Python bool on eager torch) is true, else 1; the RMS is only
-    computed on such steps."""
+def rescale_factors(datas, rescale):
+    """`P(rms(d))` of each stored `d` in `datas` when `rescale` (a bool
+    tensor, or a Python bool on eager torch) is true, else 1 (a list of
+    float32 scalars). The RMS are only computed on such steps, under one
+    `cond` for all weights."""
+
+    def measure():
+        return valid_pow2(ops.stack([rms(d) for d in datas]))
+
+    def ones():
+        return ops.ones((len(datas),), "float32")
+
+    if not datas:
+        return []
     if isinstance(rescale, bool):
-        return _valid_pow2(rms(data)) if rescale else ops.ones((), "float32")
-    return backend_optimizer.cond(
-        rescale, lambda: _valid_pow2(rms(data)), lambda: ops.ones((), "float32")
-    )
+        factors = measure() if rescale else ones()
+    else:
+        factors = backend_optimizer.cond(rescale, measure, ones)
+    return ops.unstack(factors)
 
 
 def encode_weight(value, scale, dtype, key=None, owned=False):
     """`(data, scale)` for the float32 weight `value` with the pow2 `scale`
-    (the current scale times `rescale_factor`, kept in the normal range
+    (the current scale times its `rescale_factors` entry, kept in the normal range
     `[2**-126, 2**126]`): `data = value · (1/scale)`, exact.
 
     Args:
@@ -80,7 +86,7 @@ def encode_slot(value, dtype):
     if dtype == "float32":
         return pow2.as_dtype(value, "float32"), None
     amax = S.max(ops.abs(value)) if len(value.shape) else ops.abs(value)
-    scale = _valid_pow2(amax) * 2.0**-SLOT_MAX_EXPONENT
+    scale = valid_pow2(amax) * 2.0**-SLOT_MAX_EXPONENT
     return saturating_cast(value / scale, dtype), scale
 
 

@@ -94,6 +94,13 @@ def test_casts_views_and_reductions_match_keras_ops():
         to_np(S.rms(finite[:5])), to_np(ops.sqrt(ops.mean(ops.square(finite[:5])))), rtol=1e-6
     )
     assert not np.isfinite(to_np(S.rms(f32(np.full(4, 1e20, np.float32)))))
+    # A weight-sized 2-D operand (TensorFlow: the l2_loss route), float64 reference.
+    w = np.random.default_rng(0).standard_normal((300, 7)).astype(np.float32) * 2.0**-30
+    np.testing.assert_allclose(
+        float(to_np(S.rms(f32(w)))), np.sqrt(np.mean(w.astype(np.float64) ** 2)), rtol=1e-5
+    )
+    # Empty: 0 (not measured), not a NaN that would skip every step.
+    assert float(to_np(S.rms(f32(np.zeros((0, 3), np.float32))))) == 0.0
     # (A multiply by one on JAX/TF: XLA and TF flush the subnormal to 0.)
     normal = f32(np.delete(F, 4))
     _same(S.identity_in_custom_gradient(normal), normal)

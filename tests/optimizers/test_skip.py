@@ -189,3 +189,32 @@ def test_dead_units_do_not_drag_their_layer_into_skipped_steps():
     assert int(keras.ops.convert_to_numpy(opt.skipped_steps)) == 0
     first = model.layers[2]
     assert float(keras.ops.convert_to_numpy(first.kernel.grad_scale)) < 0  # sank, unmeasured
+
+
+@pytest.mark.parametrize("policy", ["scaled_float32", "scaled_fp8"])
+def test_fused_update_matches_and_skips(monkeypatch, policy):
+    """With every model counted as large (on TensorFlow the taken step is
+    then one XLA computation, `backend.optimizer.run_if(fuse=True)`), the
+    model trains as with the unfused step, rescaling steps included, and a
+    NaN batch is still skipped bit for bit."""
+    from keras_scalify.optimizers import scaled_optimizer
+
+    x, y = data(n=96)
+    trained = []
+    for threshold in (0, 2**62):
+        monkeypatch.setattr(scaled_optimizer, "FUSE_MIN_ELEMENTS", threshold)
+        model = scaled_mlp(policy)
+        opt = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2), rescale_every=3, seed=1)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)  # 12 steps
+        trained.append((model, opt))
+    (fused, fopt), (plain, popt) = trained
+    for a, b in zip(_state(fused, fopt), _state(plain, popt)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    before = _state(fused, fopt)
+    bad = x[:8].copy()
+    bad[0, 0] = np.nan
+    fused.train_on_batch(bad, y[:8])
+    for a, b in zip(before, _state(fused, fopt)):
+        np.testing.assert_array_equal(a, b)
+    assert int(keras.ops.convert_to_numpy(fopt.skipped_steps)) == 1
