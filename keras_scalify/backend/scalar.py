@@ -222,11 +222,30 @@ if TORCH:
             return torch.mean(x)
         return ops.mean(x)
 
-    def multiply_in_place(x, k):
-        """`x * k`, written into `x` (a tensor no one else reads)."""
+    def _in_place(method, op, name):
+        def f(x, y):
+            if isinstance(x, torch.Tensor) and not _compiling():
+                return getattr(x, method)(y)
+            return op(x, y)
+
+        f.__name__ = f"{name}_in_place"
+        f.__doc__ = (
+            f"`{name}(x, y)`, written into `x` (a tensor no one else "
+            "reads; weight-sized temporaries cost page faults on eager torch)."
+        )
+        return f
+
+    def clip_in_place(x, lo, hi):
+        """`clip(x, lo, hi)`, written into `x` (a tensor no one else reads)."""
         if isinstance(x, torch.Tensor) and not _compiling():
-            return x.mul_(k)
-        return x * k
+            return x.clamp_(lo, hi)
+        return ops.clip(x, lo, hi)
+
+    multiply_in_place = _in_place("mul_", multiply, "multiply")
+    add_in_place = _in_place("add_", add, "add")
+    bitwise_and_in_place = _in_place("bitwise_and_", bitwise_and, "bitwise_and")
+    bitwise_xor_in_place = _in_place("bitwise_xor_", ops.bitwise_xor, "bitwise_xor")
+    right_shift_in_place = _in_place("bitwise_right_shift_", right_shift, "right_shift")
 
     def rms(x):
         """`sqrt(mean(x²))` over all elements of a float32 tensor, without
@@ -299,9 +318,13 @@ else:
         """The mean over all elements."""
         return ops.mean(x)
 
-    def multiply_in_place(x, k):
-        """`x * k` (traced backends have no in-place writes)."""
-        return x * k
+    # Traced backends have no in-place writes.
+    clip_in_place = ops.clip
+    multiply_in_place = ops.multiply
+    add_in_place = ops.add
+    bitwise_and_in_place = ops.bitwise_and
+    bitwise_xor_in_place = ops.bitwise_xor
+    right_shift_in_place = ops.right_shift
 
     def rms(x):
         """`sqrt(mean(x²))` over all elements (0 for an empty tensor). On

@@ -25,6 +25,7 @@ import keras
 from keras import ops
 from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.core.formats import get_format
 
 DROPPED_BITS = {"float16": 13, "bfloat16": 16}
@@ -36,32 +37,45 @@ _M2 = 0x846CA68B - (1 << 32)
 _GOLDEN = 0x9E3779B9 - (1 << 32)
 
 
-def _shift_right(x, n):
-    """Logical right shift of int32 `x` by `n` bits."""
-    return ops.bitwise_and(ops.right_shift(x, n), (1 << (32 - n)) - 1)
+def _shift_right(x, n, owned=False):
+    """Logical right shift of int32 `x` by `n` bits (`owned`: written into
+    `x`, a tensor no one else reads)."""
+    shifted = S.right_shift_in_place(x, n) if owned else ops.right_shift(x, n)
+    return S.bitwise_and_in_place(shifted, (1 << (32 - n)) - 1)
 
 
-def hash32(x):
+def _xor_shift(x, n, owned):
+    """`x ^ (x >>> n)` (`owned`: written into `x`)."""
+    xor = S.bitwise_xor_in_place if owned else ops.bitwise_xor
+    return xor(x, _shift_right(x, n))
+
+
+def hash32(x, owned=False):
     """`lowbias32`: a bijective avalanche hash of int32 `x` (wrapping
-    int32 arithmetic, bit-identical on every backend)."""
-    x = ops.bitwise_xor(x, _shift_right(x, 16))
-    x = ops.multiply(x, _M1)
-    x = ops.bitwise_xor(x, _shift_right(x, 15))
-    x = ops.multiply(x, _M2)
-    return ops.bitwise_xor(x, _shift_right(x, 16))
+    int32 arithmetic, bit-identical on every backend). `owned`: computed
+    in place in `x`, a tensor no one else reads (eager torch: one
+    temporary instead of ten weight-sized ones)."""
+    multiply = S.multiply_in_place if owned else ops.multiply
+    x = _xor_shift(x, 16, owned)
+    x = multiply(x, _M1)
+    x = _xor_shift(x, 15, owned)
+    x = multiply(x, _M2)
+    return _xor_shift(x, 16, owned)
 
 
 def random_bits(shape, key):
     """Uniform random int32 bit patterns of `shape` for an int32 scalar
     `key`: `hash32` of each element's flat index times the golden-ratio
     constant (a Weyl sequence) plus the hashed key. One hash round per
-    element (11 integer ops); different keys give independent patterns."""
+    element (11 integer ops), in place on the index tensor; different keys
+    give independent patterns."""
     key = ops.cast(key, "int32")
     size = 1
     for d in shape:
         size *= int(d)
     index = ops.reshape(ops.arange(size, dtype="int32"), shape)
-    return hash32(ops.add(ops.multiply(index, _GOLDEN), hash32(key)))
+    x = S.add_in_place(S.multiply_in_place(index, _GOLDEN), hash32(key))
+    return hash32(x, owned=True)
 
 
 def draw_key(seed):
@@ -69,7 +83,7 @@ def draw_key(seed):
     return keras.random.randint((), -(2**31), 2**31 - 1, dtype="int32", seed=seed)
 
 
-def stochastic_cast(x, dtype, seed=None, key=None):
+def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
     """Cast float32 `x` to `dtype` (float16 or bfloat16) with stochastic
     rounding, saturating at the format's max; float32 is returned as is.
 
@@ -80,6 +94,8 @@ def stochastic_cast(x, dtype, seed=None, key=None):
             from which one key is drawn; ignored when `key` is given.
         key: an int32 scalar tensor: the random bits are
             `random_bits(x.shape, key)`.
+        owned: `x` is a float32 tensor no one else reads: it is clipped in
+            place (eager torch).
     """
     dtype = standardize_dtype(dtype)
     x = ops.cast(x, "float32")
@@ -93,7 +109,8 @@ def stochastic_cast(x, dtype, seed=None, key=None):
         key = draw_key(seed)
     k = DROPPED_BITS[dtype]
     big = get_format(dtype).max
-    bits = ops.view(ops.clip(x, -big, big), "int32")
-    noise = _shift_right(random_bits(tuple(x.shape), key), 32 - k)
-    bits = ops.bitwise_and(ops.add(bits, noise), -(2**k))
+    clip = S.clip_in_place if owned else ops.clip
+    bits = ops.view(clip(x, -big, big), "int32")
+    noise = _shift_right(random_bits(tuple(x.shape), key), 32 - k, owned=True)
+    bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
     return ops.cast(ops.view(bits, "float32"), dtype)

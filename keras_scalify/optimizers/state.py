@@ -78,7 +78,7 @@ def encode_weight(value, scale, dtype, key=None, owned=False):
         return data, scale
     if key is None:
         return saturating_cast(data, dtype), scale
-    return stochastic_cast(data, dtype, key=key), scale
+    return stochastic_cast(data, dtype, key=key, owned=owned), scale
 
 
 def encode_slot(value, dtype):
