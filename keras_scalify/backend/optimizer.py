@@ -184,10 +184,14 @@ def assign_all(pairs):
         from keras.src.backend.common.stateless_scope import in_stateless_scope
 
         if not torch.compiler.is_compiling() and not in_stateless_scope():
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [v.value for v, _ in pairs], [torch.as_tensor(x) for _, x in pairs]
-                )
+            # A float32 slot updated in place by the native update is the
+            # variable's own tensor: nothing to copy.
+            pairs = [(v.value, x) for v, x in pairs if x is not v.value]
+            if pairs:
+                with torch.no_grad():
+                    torch._foreach_copy_(
+                        [t for t, _ in pairs], [torch.as_tensor(x) for _, x in pairs]
+                    )
             return
     for variable, value in pairs:
         variable.assign(value)
