@@ -94,8 +94,10 @@ _NATIVE = ("_backend_update_step", "_apply_weight_decay")
 @contextlib.contextmanager
 def native_updates(optimizer, guard):
     """On eager PyTorch with `guard` True (the step is taken): `optimizer`
-    runs Keras's own in-place `torch._foreach_*` update on the values the
-    scope maps (decoded weights and slots, tensors of this step), instead of
+    runs Keras's own in-place `torch._foreach_*` update (under
+    `torch.no_grad`) on the values the scope maps (decoded weights and
+    slots: tensors of this step, or float32 data decoded in its own
+    variable, which is then updated there), instead of
     one `Variable.assign` per slot and per pass (2.4x the plain Keras MLP
     step). Elsewhere the generic updates stay: JAX and TensorFlow have no
     such path, and a guard that is a tensor needs recorded assignments.
@@ -105,10 +107,14 @@ def native_updates(optimizer, guard):
     if guard is not True or keras.backend.backend() != "torch" or not native:
         yield False
         return
+    import torch
+
     generic = {name: optimizer.__dict__[name] for name in native}
     optimizer.__dict__.update(native)
     try:
-        yield True
+        # (Weights are updated in place in their variables.)
+        with torch.no_grad():
+            yield True
     finally:
         optimizer.__dict__.update(generic)
 

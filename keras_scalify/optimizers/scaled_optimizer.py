@@ -291,7 +291,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
 
     def _apply(self, by_index):
         inner_grads, checks, always = [], [], []
-        weights = []  # (sv, ghost, value W)
+        weights = []  # (sv, ghost, scale)
         measured = []  # (index in inner_grads, sv, scale, gradient)
         for i, (kind, sv, v) in enumerate(self._entries):
             g = by_index.get(i)
@@ -303,7 +303,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 continue
             if kind == "weight":
                 scale = read_tensor(sv.scale)
-                weights.append((sv, v, state.decode(read_tensor(sv.data), scale)))
+                weights.append((sv, v, scale))
                 if g is not None:
                     measured.append((len(inner_grads), sv, scale, g))
             elif g is not None:
@@ -368,21 +368,8 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         """The inner optimizer's step and the re-encoded weights and slots,
         each write selected by `guard` (a bool tensor, or True)."""
         inner = self.inner_optimizer
-        mapping = [(ghost, value) for _, ghost, value in weights]
-        mapping += [(v, read_tensor(v)) for kind, _, v in self._entries if kind == "plain"]
-        mapping += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
-        inner_real = [v for v in inner.variables if not is_ghost(v)]
-        mapping += [(v, read_tensor(v)) for v in inner_real]
-        # Every value the inner optimizer writes is already selected by
-        # `guard`; only re-encoded values are selected again.
-        with GuardedScope(guard, state_mapping=mapping, initialize_variables=False) as scope:
-            with native_updates(inner, guard) as native:
-                inner.apply(inner_grads, self._inner_vars)
-        new = scope.get_current_value
-
-        def commit(var, value):
-            return var, (value if guard is True else ops.where(guard, value, read_tensor(var)))
-
+        # Measured on the stored data, before the update (which may write
+        # it in place).
         rescale = ops.equal(self._iterations % self.rescale_every, 0)
         known = host_bool(rescale)
         rescale = rescale if known is None else known
@@ -391,24 +378,46 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         else:
             factors = state.rescale_factors([read_tensor(sv.data) for sv, _, _ in weights], rescale)
             new_scales = [read_tensor(sv.scale) * k for (sv, _, _), k in zip(weights, factors)]
-        keys = self._rounding_keys(weights)
-        writes = []
-        for (sv, ghost, _), key, scale in zip(weights, keys, new_scales):
-            data, scale = state.encode_weight(
-                new(ghost), scale, sv.master_dtype, key, owned=guard is True and native
-            )
-            writes += [commit(sv.data, data), commit(sv.scale, scale)]
-        for kind, _, v in self._entries:
-            if kind == "plain":
-                writes.append((v, new(v)))
-        for ghost, d, s in self._slots:
-            data, scale = state.encode_slot(new(ghost), self._resolved_state_dtype)
-            if s is None:  # float32: stored as computed
-                writes.append((d, data))
-                continue
-            writes += [commit(d, data), commit(s, scale)]
-        writes += [(v, new(v)) for v in inner_real]
-        assign_all(writes)
+        inner_real = [v for v in inner.variables if not is_ghost(v)]
+        with native_updates(inner, guard) as native:
+            # The native update owns what it updates: float32 data is
+            # decoded in place in its variable, updated there and
+            # re-encoded there (no weight-sized temporary, no copy back).
+            mapping = [
+                (ghost, state.decode(read_tensor(sv.data), scale, owned=native and sv.master_dtype == "float32"))
+                for sv, ghost, scale in weights
+            ]
+            mapping += [(v, read_tensor(v)) for kind, _, v in self._entries if kind == "plain"]
+            mapping += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
+            mapping += [(v, read_tensor(v)) for v in inner_real]
+            # Every value the inner optimizer writes is already selected by
+            # `guard`; only re-encoded values are selected again.
+            with GuardedScope(guard, state_mapping=mapping, initialize_variables=False) as scope:
+                inner.apply(inner_grads, self._inner_vars)
+            # (Still native: the re-encoding may write in place.)
+            new = scope.get_current_value
+
+            def commit(var, value):
+                return var, (value if guard is True else ops.where(guard, value, read_tensor(var)))
+
+            keys = self._rounding_keys(weights)
+            writes = []
+            for (sv, ghost, _), key, scale in zip(weights, keys, new_scales):
+                data, scale = state.encode_weight(
+                    new(ghost), scale, sv.master_dtype, key, owned=guard is True and native
+                )
+                writes += [commit(sv.data, data), commit(sv.scale, scale)]
+            for kind, _, v in self._entries:
+                if kind == "plain":
+                    writes.append((v, new(v)))
+            for ghost, d, s in self._slots:
+                data, scale = state.encode_slot(new(ghost), self._resolved_state_dtype)
+                if s is None:  # float32: stored as computed
+                    writes.append((d, data))
+                    continue
+                writes += [commit(d, data), commit(s, scale)]
+            writes += [(v, new(v)) for v in inner_real]
+            assign_all(writes)
 
     def _rounding_keys(self, weights):
         """One int32 stochastic-rounding key per weight (None: round to

@@ -90,7 +90,11 @@ def encode_slot(value, dtype):
     return saturating_cast(value / scale, dtype), scale
 
 
-def decode(data, scale):
-    """The float32 value of stored `data` (× `scale` unless it is None)."""
+def decode(data, scale, owned=False):
+    """The float32 value of stored `data` (× `scale` unless it is None);
+    `owned`: float32 `data` that may be scaled in place (eager torch's
+    native update, which then updates it there)."""
     value = pow2.as_dtype(data, "float32")
-    return value if scale is None else value * scale
+    if scale is None:
+        return value
+    return S.multiply_in_place(value, scale) if owned else value * scale
