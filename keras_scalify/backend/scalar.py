@@ -222,9 +222,18 @@ if TORCH:
             return torch.mean(x)
         return ops.mean(x)
 
+    def _writable(x):
+        """Whether an in-place op may write `x`: an eager torch tensor
+        outside autograd (no gradient recorded through it)."""
+        return (
+            isinstance(x, torch.Tensor)
+            and not _compiling()
+            and not (x.requires_grad and torch.is_grad_enabled())
+        )
+
     def _in_place(method, op, name):
         def f(x, y):
-            if isinstance(x, torch.Tensor) and not _compiling():
+            if _writable(x):
                 return getattr(x, method)(y)
             return op(x, y)
 
@@ -237,12 +246,13 @@ if TORCH:
 
     def clip_in_place(x, lo, hi):
         """`clip(x, lo, hi)`, written into `x` (a tensor no one else reads)."""
-        if isinstance(x, torch.Tensor) and not _compiling():
+        if _writable(x):
             return x.clamp_(lo, hi)
         return ops.clip(x, lo, hi)
 
     multiply_in_place = _in_place("mul_", multiply, "multiply")
     add_in_place = _in_place("add_", add, "add")
+    subtract_in_place = _in_place("sub_", subtract, "subtract")
     bitwise_and_in_place = _in_place("bitwise_and_", bitwise_and, "bitwise_and")
     bitwise_xor_in_place = _in_place("bitwise_xor_", ops.bitwise_xor, "bitwise_xor")
     right_shift_in_place = _in_place("bitwise_right_shift_", right_shift, "right_shift")
@@ -322,6 +332,7 @@ else:
     clip_in_place = ops.clip
     multiply_in_place = ops.multiply
     add_in_place = ops.add
+    subtract_in_place = ops.subtract
     bitwise_and_in_place = ops.bitwise_and
     bitwise_xor_in_place = ops.bitwise_xor
     right_shift_in_place = ops.right_shift

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 from keras import ops
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import dtype_name
 
 FloatFormat = collections.namedtuple(
@@ -88,13 +89,18 @@ def saturating_cast(x, dtype):
         if src in FP8_DTYPES and fmt.name != "float32":
             x = ops.cast(x, "float32")  # FP8 casts go through float32
         return ops.cast(x, fmt.name)
-    if src in FP8_DTYPES:
+    owned = src not in ("float32", "float64")
+    if owned:
+        # Every narrower format's max fits in float32: clip there (FP8
+        # casts go through float32).
         x = ops.cast(x, "float32")
-        src = "float32"
-    if src not in ("float32", "float64"):
-        # Every narrower format's max fits in float32: clip there.
-        x = ops.cast(x, "float32")
-    x = _keep_nonfinite(x, ops.clip(x, -fmt.max, fmt.max), fmt)
+    if owned and not _has_inf(fmt):
+        # The float32 copy is ours: clipped in place (eager torch: two
+        # weight-sized temporaries fewer per cast).
+        nonfinite = x - x
+        x = S.subtract_in_place(S.clip_in_place(x, -fmt.max, fmt.max), nonfinite)
+    else:
+        x = _keep_nonfinite(x, ops.clip(x, -fmt.max, fmt.max), fmt)
     return ops.cast(x, fmt.name)
 
 

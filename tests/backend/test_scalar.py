@@ -5,6 +5,7 @@ are the torch functions themselves; elsewhere `keras.ops`."""
 
 import math
 
+import keras
 import numpy as np
 import pytest
 from keras import ops
@@ -135,3 +136,30 @@ def test_variable_value_reads_the_current_value():
     _same(S.variable_value(v), ops.convert_to_tensor(np.float32(4.0)))
     with keras.StatelessScope(state_mapping=[(v, ops.convert_to_tensor(np.float32(8.0)))]):
         _same(S.variable_value(v), ops.convert_to_tensor(np.float32(8.0)))
+
+
+def test_in_place_ops_match_keras_ops_and_spare_autograd():
+    a = np.array([1.5, -3.0, 2.0**-140, 3e38, np.inf, np.nan], np.float32)
+    ints = np.array([5, -7, 2**31 - 1, -(2**31)], np.int32)
+    pairs = [
+        (S.multiply_in_place, ops.multiply, a, 2.0),
+        (S.add_in_place, ops.add, a, 1.0),
+        (S.subtract_in_place, ops.subtract, a, 1.0),
+        (S.bitwise_and_in_place, ops.bitwise_and, ints, 0x0F0F0F0F),
+        (S.bitwise_xor_in_place, ops.bitwise_xor, ints, -3),
+        (S.right_shift_in_place, ops.right_shift, ints, 3),
+    ]
+    for in_place, op, x, y in pairs:
+        _same(in_place(ops.convert_to_tensor(x.copy()), y), op(ops.convert_to_tensor(x), y))
+    _same(S.clip_in_place(f32(a.copy()), -448.0, 448.0), ops.clip(f32(a), -448.0, 448.0))
+    if keras.backend.backend() != "torch":
+        return
+    import torch
+
+    x = torch.ones(3, requires_grad=True)
+    y = S.multiply_in_place(x, 2.0)  # recorded by autograd: not in place
+    assert y is not x and float(x[0]) == 1.0
+    y.sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+    with torch.no_grad():
+        assert S.clip_in_place(x, 0.0, 0.5) is x and float(x[0]) == 0.5
