@@ -42,6 +42,7 @@ import types
 import keras
 from keras import ops
 from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 _GENERIC = (
@@ -156,8 +157,6 @@ def run_if(pred, update, fuse=False):
     - JAX, `torch.compile`, stateless scopes: `update(pred)`, which
       selects each write.
     """
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-
     known = host_bool(pred)
     if known is not None:
         if known:
@@ -187,7 +186,6 @@ def assign_all(pairs):
     pairs = list(pairs)
     if keras.backend.backend() == "torch" and pairs:
         import torch
-        from keras.src.backend.common.stateless_scope import in_stateless_scope
 
         if not torch.compiler.is_compiling() and not in_stateless_scope():
             # A float32 slot updated in place by the native update is the

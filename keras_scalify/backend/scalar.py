@@ -328,14 +328,10 @@ else:
         """The mean over all elements."""
         return ops.mean(x)
 
-    # Traced backends have no in-place writes.
-    clip_in_place = ops.clip
-    multiply_in_place = ops.multiply
-    add_in_place = ops.add
-    subtract_in_place = ops.subtract
-    bitwise_and_in_place = ops.bitwise_and
+    # Traced backends have no in-place writes: the ops above.
+    clip_in_place, multiply_in_place, add_in_place, subtract_in_place = clip, multiply, add, subtract
+    bitwise_and_in_place, right_shift_in_place = bitwise_and, right_shift
     bitwise_xor_in_place = ops.bitwise_xor
-    right_shift_in_place = ops.right_shift
 
     def rms(x):
         """`sqrt(mean(x²))` over all elements (0 for an empty tensor). On
