@@ -55,6 +55,7 @@ from keras import ops
 from keras_scalify.backend.gemm import MATMUL_2D
 from keras_scalify.backend.gemm import Gemms
 from keras_scalify.backend.gemm import as_matmul
+from keras_scalify.backend.gemm import einsum_f32
 from keras_scalify.backend.gemm import flattened
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import is_2d
@@ -296,10 +297,8 @@ def _torch_mm(x8, y8):
     )
 
 
-def _gemm_torch(equation, a, b, da, db):
-    """Forward 2-D `_scaled_mm` on `a` flattened to (M, K)."""
-    a8 = saturating_cast(a, da)
-    b8 = saturating_cast(b, db)
+def _torch_forward(a8, b8):
+    """Forward 2-D `_scaled_mm` on FP8 `a8` flattened to (M, K)."""
     out = _torch_mm(a8.reshape(-1, a8.shape[-1]), b8)
     return out.reshape(*a8.shape[:-1], b8.shape[-1])
 
@@ -311,7 +310,6 @@ _GEMMS = {
     "tensorflow-xla": _gemm_tf,
     "tensorflow-xla-bf16": _gemm_tf_bf16,
     "tensorflow-xla-f32": _gemm_tf_f32,
-    "torch-scaled_mm": _gemm_torch,
 }
 
 
@@ -337,11 +335,25 @@ def fp8_gemms(equation, a_shape, b_shape, forward_dtype="float8_e4m3fn", backwar
 
 def _route_gemms(name, equation, fwd, bwd):
     grad_a_eq, grad_b_eq = grad_equations(equation, "FP8")
-    if name == "torch-scaled_mm":
+    if name in ("simulate", "torch-scaled_mm"):
+        # Operands rounded once (`Gemms.quantize`): `a` and `b` in the
+        # forward, kept rounded for the backward; the cotangent once for
+        # both backward GEMMs. (The other routes round inside one compiled
+        # function per GEMM, where XLA fuses the rounding into it.)
+        if name == "simulate":
+            def rounding(dtype):
+                return lambda x: quantized_float32(x, dtype)
+
+            gemm_fwd = lambda a, b: einsum_f32(equation, a, b)
+            gemm_a = lambda g, b: einsum_f32(grad_a_eq, g, b)
+            gemm_b = lambda a, g: einsum_f32(grad_b_eq, a, g)
+        else:
+            def rounding(dtype):
+                return lambda x: saturating_cast(x, dtype)
+
+            gemm_fwd, gemm_a, gemm_b = _torch_forward, _torch_grad_a, _torch_grad_b
         return Gemms(
-            lambda a, b: _gemm_torch(equation, a, b, fwd, fwd),
-            lambda g, b: _torch_grad_a(g, b, fwd, bwd),
-            lambda a, g: _torch_grad_b(a, g, fwd, bwd),
+            gemm_fwd, gemm_a, gemm_b, (rounding(fwd), rounding(fwd), rounding(bwd))
         )
     gemm = _GEMMS[name]
     # The weight gradient `aᵀg` contracts the leading (row) dim of both
@@ -357,16 +369,12 @@ def _route_gemms(name, equation, fwd, bwd):
     )
 
 
-def _torch_grad_a(g, b, fwd, bwd):
-    """`g @ bᵀ` (E5M2 × E4M3) for the 2-D weight `b`, in `g`'s leading shape."""
-    g8 = saturating_cast(g, bwd)
-    b8 = saturating_cast(b, fwd)
+def _torch_grad_a(g8, b8):
+    """`g8 @ b8ᵀ` (E5M2 × E4M3) for the 2-D weight `b8`, in `g8`'s leading shape."""
     out = _torch_mm(g8.reshape(-1, g8.shape[-1]), b8.t())
     return out.reshape(*g8.shape[:-1], b8.shape[0])
 
 
-def _torch_grad_b(a, g, fwd, bwd):
-    """`aᵀ @ g` (E4M3 × E5M2) over every leading dimension."""
-    a8 = saturating_cast(a, fwd)
-    g8 = saturating_cast(g, bwd)
+def _torch_grad_b(a8, g8):
+    """`a8ᵀ @ g8` (E4M3 × E5M2) over every leading dimension."""
     return _torch_mm(a8.reshape(-1, a8.shape[-1]).t(), g8.reshape(-1, g8.shape[-1]))

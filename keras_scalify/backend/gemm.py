@@ -29,10 +29,16 @@ from keras_scalify.core.pow2 import as_dtype
 if TORCH:
     import torch
 
-Gemms = collections.namedtuple("Gemms", ["forward", "grad_a", "grad_b"])
+Gemms = collections.namedtuple(
+    "Gemms", ["forward", "grad_a", "grad_b", "quantize"], defaults=(None,)
+)
 Gemms.__doc__ = """The three GEMMs of `y = einsum(eq, a, b)`, each returning
 float32: `forward(a, b)`, `grad_a(g, b)` (the cotangent of `a` from the
-cotangent `g` of `y`) and `grad_b(a, g)`."""
+cotangent `g` of `y`) and `grad_b(a, g)`. `quantize`: None, or the
+roundings `(qa, qb, qg)` of the operands and of the cotangent; then the
+GEMMs take operands already rounded, so that `a` and `b` are rounded once
+in the forward (and kept rounded for the backward) and `g` once in the
+backward, instead of once per GEMM."""
 
 
 def grad_equations(equation, kind="scaled"):
@@ -195,7 +201,7 @@ def flattened(gemms_2d, nk):
         gb = gemms_2d.grad_b(a2(a), _reshape(g, (-1, prod(w))))
         return _reshape(gb, tuple(a.shape[len(a.shape) - nk:]) + w)
 
-    return Gemms(forward, grad_a, grad_b)
+    return Gemms(forward, grad_a, grad_b, gemms_2d.quantize)
 
 
 def contraction_gemms(equation, b_shape):

@@ -257,6 +257,18 @@ if TORCH:
     bitwise_xor_in_place = _in_place("bitwise_xor_", ops.bitwise_xor, "bitwise_xor")
     right_shift_in_place = _in_place("bitwise_right_shift_", right_shift, "right_shift")
 
+    def scratch_like(x):
+        """An uninitialized tensor like `x` for `right_shift_into` to
+        write, where `x` is writable (eager torch); else None."""
+        return torch.empty_like(x) if _writable(x) else None
+
+    def right_shift_into(x, n, out):
+        """`right_shift(x, n)`, written into `out` (a `scratch_like`
+        tensor, or None)."""
+        if out is not None:
+            return torch.bitwise_right_shift(x, n, out=out)
+        return right_shift(x, n)
+
     def rms(x):
         """`sqrt(mean(x²))` over all elements of a float32 tensor, without
         the squared copy (`vector_norm`; it overflows to inf where the sum
@@ -332,6 +344,14 @@ else:
     clip_in_place, multiply_in_place, add_in_place, subtract_in_place = clip, multiply, add, subtract
     bitwise_and_in_place, right_shift_in_place = bitwise_and, right_shift
     bitwise_xor_in_place = ops.bitwise_xor
+
+    def scratch_like(x):
+        """No scratch tensors on traced backends."""
+        return None
+
+    def right_shift_into(x, n, out):
+        """`right_shift(x, n)` (`out` is None here)."""
+        return right_shift(x, n)
 
     def rms(x):
         """`sqrt(mean(x²))` over all elements (0 for an empty tensor). On

@@ -178,3 +178,14 @@ def pow2_from_exponent(e):
     """`2**e` as float32 for int32 `e`, clamped to [-126, 127] (exact)."""
     e = S.clip(as_dtype(e, "int32"), -126, 127)
     return _from_bits(S.left_shift(S.add(e, 127), 23))
+
+
+def biased_exponent(x):
+    """`pow2_exponent(x) + 127`: the exponent field of float32 `x`, int32."""
+    return S.right_shift(S.bitwise_and(_bits(_as_f32(x)), _EXP_MASK), 23)
+
+
+def pow2_from_biased_exponent(e):
+    """`pow2_from_exponent(e - 127)` for int32 `e` (the field clamped to
+    [1, 254])."""
+    return _from_bits(S.left_shift(S.clip(e, 1, 254), 23))

@@ -37,30 +37,35 @@ _M2 = 0x846CA68B - (1 << 32)
 _GOLDEN = 0x9E3779B9 - (1 << 32)
 
 
-def _shift_right(x, n, owned=False):
+def _shift_right(x, n, owned=False, out=None):
     """Logical right shift of int32 `x` by `n` bits (`owned`: written into
-    `x`, a tensor no one else reads)."""
-    shifted = S.right_shift_in_place(x, n) if owned else ops.right_shift(x, n)
+    `x`, a tensor no one else reads; `out`: into this scratch tensor)."""
+    if owned:
+        shifted = S.right_shift_in_place(x, n)
+    else:
+        shifted = S.right_shift_into(x, n, out)
     return S.bitwise_and_in_place(shifted, (1 << (32 - n)) - 1)
 
 
-def _xor_shift(x, n, owned):
-    """`x ^ (x >>> n)` (`owned`: written into `x`)."""
+def _xor_shift(x, n, owned, scratch=None):
+    """`x ^ (x >>> n)` (`owned`: written into `x`; the shift into
+    `scratch` when given)."""
     xor = S.bitwise_xor_in_place if owned else ops.bitwise_xor
-    return xor(x, _shift_right(x, n))
+    return xor(x, _shift_right(x, n, out=scratch))
 
 
 def hash32(x, owned=False):
     """`lowbias32`: a bijective avalanche hash of int32 `x` (wrapping
     int32 arithmetic, bit-identical on every backend). `owned`: computed
-    in place in `x`, a tensor no one else reads (eager torch: one
-    temporary instead of ten weight-sized ones)."""
+    in place in `x`, a tensor no one else reads, its shifts in one scratch
+    tensor (eager torch: one temporary instead of ten weight-sized ones)."""
     multiply = S.multiply_in_place if owned else ops.multiply
-    x = _xor_shift(x, 16, owned)
+    scratch = S.scratch_like(x) if owned else None
+    x = _xor_shift(x, 16, owned, scratch)
     x = multiply(x, _M1)
-    x = _xor_shift(x, 15, owned)
+    x = _xor_shift(x, 15, owned, scratch)
     x = multiply(x, _M2)
-    return _xor_shift(x, 16, owned)
+    return _xor_shift(x, 16, owned, scratch)
 
 
 def random_bits(shape, key):

@@ -85,13 +85,16 @@ def grad_factor(s_out, gs_out, s_in, gs_in):
 
 
 def pow2_mean(*scales):
-    """Power of two at the (floored) mean exponent: a geometric mean."""
-    exps = [pow2.pow2_exponent(s) for s in scales]
-    total = exps[0]
-    for e in exps[1:]:
-        total = total + e
-    mean = S.floor_divide(total, len(exps))
-    return pow2.pow2_from_exponent(mean)
+    """Power of two at the (floored) mean exponent: a geometric mean
+    (`pow2_from_exponent(floor(mean(pow2_exponent(s))))`), computed on the
+    biased exponents: `floor(Σ(E_i - 127)/n) + 127 = floor(ΣE_i/n)`, so
+    the bias is neither removed nor restored (fewer scalar ops)."""
+    total = pow2.biased_exponent(scales[0])
+    for s in scales[1:]:
+        total = S.add(total, pow2.biased_exponent(s))
+    if len(scales) > 1:
+        total = S.floor_divide(total, len(scales))
+    return pow2.pow2_from_biased_exponent(total)
 
 
 def votes(preds, calibrated):

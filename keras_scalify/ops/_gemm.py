@@ -50,17 +50,25 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
     `a` and `b` are `grad_a(g, b)·f_a` and `grad_b(a, g)·f_b` in their
     dtypes. `factors = (f_out, f_a, f_b)`: float32 pow2 scalar tensors.
     `quantized`: the GEMMs round their operands (FP8), so a factor is never
-    moved onto an operand."""
+    moved onto an operand. With `gemms.quantize`, `a` and `b` are rounded
+    once in the forward and `g` once in the backward (`backend.gemm.Gemms`)."""
     out_dtype = dtype_name(out_dtype)
     exact = not quantized and _all_float32(a, b) and out_dtype == "float32"
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
+    a_dtype, b_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
+    q = gemms.quantize
 
     @ops.custom_gradient
     def fn(a, b, f_out, f_a, f_b):
+        if q is not None:  # rounded once, kept for the backward
+            a, b = q[0](a), q[1](b)
+
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
-            ga = _apply(gemms.grad_a, g, b, f_a, a_shape, dtype_name(a.dtype), exact)
-            gb = _apply(gemms.grad_b, a, g, f_b, b_shape, dtype_name(b.dtype), exact)
+            if q is not None:
+                g = q[2](g)
+            ga = _apply(gemms.grad_a, g, b, f_a, a_shape, a_dtype, exact)
+            gb = _apply(gemms.grad_b, a, g, f_b, b_shape, b_dtype, exact)
             return ga, gb, None, None, None
 
         return _apply(gemms.forward, a, b, f_out, out_shape, out_dtype, exact), grad

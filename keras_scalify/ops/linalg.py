@@ -39,11 +39,11 @@ from keras_scalify.ops.shape import cast as _cast
 
 
 def _others_scale(sc, i):
-    out = 1.0
+    out = None
     for j, (s_j, _) in enumerate(sc):
         if j != i:
-            out = out * s_j
-    return out
+            out = s_j if out is None else out * s_j
+    return 1.0 if out is None else out
 
 
 def _predictions(operands, sc, k, size_out):

@@ -361,7 +361,10 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             # repeats included), which `*` densifies (summing the
             # repeats); the inner optimizer must get it as in plain
             # Keras, whose sparse update differs (Adam squares rows).
-            inner_grads[i] = S.multiply(S.cast(g, "float32"), g_scale)
+            # (A float32 copy of a narrower gradient is scaled in place.)
+            g32 = S.cast(g, "float32")
+            scale_fn = S.multiply if g32 is g else S.multiply_in_place
+            inner_grads[i] = scale_fn(g32, g_scale)
         return ops.all(S.isfinite(stats * gs))
 
     def _update(self, weights, inner_grads, guard):

@@ -93,8 +93,11 @@ def encode_slot(value, dtype):
 def decode(data, scale, owned=False):
     """The float32 value of stored `data` (× `scale` unless it is None);
     `owned`: float32 `data` that may be scaled in place (eager torch's
-    native update, which then updates it there)."""
+    native update, which then updates it there). The float32 copy of
+    narrower data is scaled in place."""
     value = pow2.as_dtype(data, "float32")
     if scale is None:
         return value
-    return S.multiply_in_place(value, scale) if owned else value * scale
+    if owned or value is not data:
+        return S.multiply_in_place(value, scale)
+    return value * scale

@@ -119,12 +119,37 @@ def test_overflowing_inputs_stay_finite(route, rng):
         assert np.all(np.isfinite(t))
 
 
+def _count_calls(monkeypatch, module, name):
+    """Record the `dtype` argument of every call to `module.name`."""
+    calls = []
+    original = getattr(module, name)
+
+    def counting(x, dtype):
+        calls.append(dtype)
+        return original(x, dtype)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def test_simulation_rounds_each_operand_once(monkeypatch, rng):
+    # `a` and `b` rounded once in the forward (and kept for the backward),
+    # the cotangent once for both backward GEMMs: 3 roundings, not 6.
+    calls = _count_calls(monkeypatch, fp8, "quantized_float32")
+    x = rng.standard_normal((8, 32)).astype("float32")
+    w = rng.standard_normal((32, 16)).astype("float32")
+    up = rng.standard_normal((8, 16)).astype("float32")
+    _loss_and_grads("simulate", x, w, up)
+    assert calls == ["float8_e4m3fn", "float8_e4m3fn", "float8_e5m2"]
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch route only")
 def test_torch_scaled_mm_is_called_for_all_three_gemms(monkeypatch, rng):
     import torch
 
     # The route is taken on CUDA only; forced here to run its GEMMs on CPU.
     monkeypatch.setattr(fp8, "_torch_route_ok", lambda *a: True)
+    casts = _count_calls(monkeypatch, fp8, "saturating_cast")
     calls = []
     original = torch._scaled_mm
 
@@ -138,6 +163,8 @@ def test_torch_scaled_mm_is_called_for_all_three_gemms(monkeypatch, rng):
     up = rng.standard_normal((8, 16)).astype("float32")
     _loss_and_grads("native", x, w, up)
     assert len(calls) == 3
+    # Each operand cast to FP8 once: x and w forward, the cotangent backward.
+    assert casts == ["float8_e4m3fn", "float8_e4m3fn", "float8_e5m2"]
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     assert calls[0][:2] == (e4, e4)  # forward
     assert sorted(str(c[:2]) for c in calls[1:]) == sorted(str(p) for p in [(e5, e4), (e4, e5)])

@@ -152,8 +152,15 @@ def test_in_place_ops_match_keras_ops_and_spare_autograd():
     for in_place, op, x, y in pairs:
         _same(in_place(ops.convert_to_tensor(x.copy()), y), op(ops.convert_to_tensor(x), y))
     _same(S.clip_in_place(f32(a.copy()), -448.0, 448.0), ops.clip(f32(a), -448.0, 448.0))
+    t = ops.convert_to_tensor(ints)
+    scratch = S.scratch_like(t)
+    for _ in range(2):  # a scratch tensor is written over on each use
+        _same(S.right_shift_into(t, 3, scratch), ops.right_shift(t, 3))
+    _same(t, ops.convert_to_tensor(ints))
     if keras.backend.backend() != "torch":
+        assert scratch is None
         return
+    assert S.right_shift_into(t, 3, scratch) is scratch
     import torch
 
     x = torch.ones(3, requires_grad=True)

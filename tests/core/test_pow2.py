@@ -311,3 +311,25 @@ def test_pow2_exponent_and_from_exponent(run):
         to_np(run(pow2_from_exponent, e_in)),
         [1.0, 32.0, 2.0**-126, 2.0**127, 2.0**-126, 2.0**127, 0.5, 2.0**-126],
     )
+
+
+def test_pow2_mean_matches_the_mean_exponent(run):
+    # `pow2_mean` works on biased exponents: the same powers of two as
+    # `pow2_from_exponent(floor(mean(pow2_exponent(s))))`, special values
+    # (0, subnormal, inf, NaN, non-powers of two) included.
+    from keras_scalify.ops._common import pow2_mean
+
+    values = [1.0, 3.0, 0.3, 2.0**-126, 2.0**-140, 2.0**127, 0.0, np.inf, np.nan, 1e30, 0.75]
+    pairs = [(a, b) for a in values for b in values]
+    a = np.array([p[0] for p in pairs], np.float32)
+    b = np.array([p[1] for p in pairs], np.float32)
+    c = np.roll(b, 7)
+
+    def reference(*xs):
+        e = sum(to_np(pow2_exponent(x)).astype(np.int64) for x in xs)
+        e = np.floor_divide(e, len(xs)).astype(np.int32)
+        return to_np(pow2_from_exponent(e))
+
+    for xs in [(a,), (a, b), (a, b, c)]:
+        got = to_np(run(lambda *t: pow2_mean(*t), *xs))
+        np.testing.assert_array_equal(got, reference(*xs))
