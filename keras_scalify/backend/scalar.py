@@ -209,6 +209,7 @@ if TORCH:
     ones_like = _fast(torch.ones_like, ops.ones_like)
     bitwise_and = _fast(torch.bitwise_and, ops.bitwise_and, constants=True)
     bitwise_or = _fast(torch.bitwise_or, ops.bitwise_or, constants=True)
+    bitwise_xor = _fast(torch.bitwise_xor, ops.bitwise_xor, constants=True)
     left_shift = _fast(torch.bitwise_left_shift, ops.left_shift, constants=True)
     right_shift = _fast(torch.bitwise_right_shift, ops.right_shift, constants=True)
     floor_divide = _fast(torch.floor_divide, ops.floor_divide, constants=True)
@@ -254,7 +255,7 @@ if TORCH:
     add_in_place = _in_place("add_", add, "add")
     subtract_in_place = _in_place("sub_", subtract, "subtract")
     bitwise_and_in_place = _in_place("bitwise_and_", bitwise_and, "bitwise_and")
-    bitwise_xor_in_place = _in_place("bitwise_xor_", ops.bitwise_xor, "bitwise_xor")
+    bitwise_xor_in_place = _in_place("bitwise_xor_", bitwise_xor, "bitwise_xor")
     right_shift_in_place = _in_place("bitwise_right_shift_", right_shift, "right_shift")
 
     def scratch_like(x):
@@ -329,6 +330,7 @@ else:
     ones_like = ops.ones_like
     bitwise_and = ops.bitwise_and
     bitwise_or = ops.bitwise_or
+    bitwise_xor = ops.bitwise_xor
     left_shift = ops.left_shift
     right_shift = ops.right_shift
     floor_divide = ops.floor_divide
@@ -343,7 +345,7 @@ else:
     # Traced backends have no in-place writes: the ops above.
     clip_in_place, multiply_in_place, add_in_place, subtract_in_place = clip, multiply, add, subtract
     bitwise_and_in_place, right_shift_in_place = bitwise_and, right_shift
-    bitwise_xor_in_place = ops.bitwise_xor
+    bitwise_xor_in_place = bitwise_xor
 
     def scratch_like(x):
         """No scratch tensors on traced backends."""

@@ -50,7 +50,7 @@ def _shift_right(x, n, owned=False, out=None):
 def _xor_shift(x, n, owned, scratch=None):
     """`x ^ (x >>> n)` (`owned`: written into `x`; the shift into
     `scratch` when given)."""
-    xor = S.bitwise_xor_in_place if owned else ops.bitwise_xor
+    xor = S.bitwise_xor_in_place if owned else S.bitwise_xor
     return xor(x, _shift_right(x, n, out=scratch))
 
 
@@ -59,7 +59,7 @@ def hash32(x, owned=False):
     int32 arithmetic, bit-identical on every backend). `owned`: computed
     in place in `x`, a tensor no one else reads, its shifts in one scratch
     tensor (eager torch: one temporary instead of ten weight-sized ones)."""
-    multiply = S.multiply_in_place if owned else ops.multiply
+    multiply = S.multiply_in_place if owned else S.multiply
     scratch = S.scratch_like(x) if owned else None
     x = _xor_shift(x, 16, owned, scratch)
     x = multiply(x, _M1)
@@ -74,7 +74,7 @@ def random_bits(shape, key):
     constant (a Weyl sequence) plus the hashed key. One hash round per
     element (11 integer ops), in place on the index tensor; different keys
     give independent patterns."""
-    key = ops.cast(key, "int32")
+    key = S.cast(key, "int32")
     size = 1
     for d in shape:
         size *= int(d)
@@ -103,7 +103,7 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
             place (eager torch).
     """
     dtype = standardize_dtype(dtype)
-    x = ops.cast(x, "float32")
+    x = S.cast(x, "float32")
     if dtype == "float32":
         return x
     if dtype not in DROPPED_BITS:
@@ -114,8 +114,8 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
         key = draw_key(seed)
     k = DROPPED_BITS[dtype]
     big = get_format(dtype).max
-    clip = S.clip_in_place if owned else ops.clip
-    bits = ops.view(clip(x, -big, big), "int32")
+    clip = S.clip_in_place if owned else S.clip
+    bits = S.view(clip(x, -big, big), "int32")
     noise = _shift_right(random_bits(tuple(x.shape), key), 32 - k, owned=True)
     bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
-    return ops.cast(ops.view(bits, "float32"), dtype)
+    return S.cast(S.view(bits, "float32"), dtype)
