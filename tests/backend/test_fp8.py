@@ -119,6 +119,16 @@ def test_overflowing_inputs_stay_finite(route, rng):
         assert np.all(np.isfinite(t))
 
 
+def _simulated(gemm, *operands):
+    """A GEMM of the simulation's `Gemms` (which take operands already
+    rounded: `quantize`) on unrounded operands: `gemm` is "forward" or
+    "grad_a"."""
+    sim = fp8._route_gemms("simulate", "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
+    qa, qb, qg = sim.quantize
+    first = qa if gemm == "forward" else qg
+    return getattr(sim, gemm)(first(operands[0]), qb(operands[1]))
+
+
 def _count_calls(monkeypatch, module, name):
     """Record the `dtype` argument of every call to `module.name`."""
     calls = []
@@ -226,9 +236,8 @@ def test_jax_dots_take_the_route_operands(route, operand, rng):
     if operand == "bf16":
         # Rounded to E4M3 in float32 arithmetic: no FP8 tensor on the CPU.
         assert "f8E4M3FN" not in text
-    sim = fp8._route_gemms("simulate", "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
     np.testing.assert_allclose(
-        to_np(gemms.forward(x, w)), to_np(sim.forward(x, w)), rtol=1e-6, atol=1e-6
+        to_np(gemms.forward(x, w)), to_np(_simulated("forward", x, w)), rtol=1e-6, atol=1e-6
     )
 
 
@@ -258,11 +267,10 @@ def test_tensorflow_routes_are_compiled_with_xla(route, dot_operand, rng):
     assert ("f8e4m3fn" in hlo.lower()) == (route == "tensorflow-xla")
     dots = [line for line in hlo.splitlines() if " dot(" in line]
     assert dots and all(dot_operand in line and "f32[8,16]" in line for line in dots), dots
-    sim = fp8._route_gemms("simulate", "ak,kn->an", "float8_e4m3fn", "float8_e5m2")
-    np.testing.assert_allclose(to_np(y), to_np(sim.forward(x, w)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(to_np(y), to_np(_simulated("forward", x, w)), rtol=1e-6, atol=1e-6)
     # The backward GEMMs take the E5M2 cotangent: their own XLA functions.
     g = ops.convert_to_tensor(rng.standard_normal((8, 16)).astype("float32"))
-    np.testing.assert_allclose(to_np(gemms.grad_a(g, w)), to_np(sim.grad_a(g, w)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(to_np(gemms.grad_a(g, w)), to_np(_simulated("grad_a", g, w)), rtol=1e-6, atol=1e-6)
     assert fp8.tf_xla_function("an,kn->ak", route, ("float8_e5m2", "float8_e4m3fn")) is not None
 
 
