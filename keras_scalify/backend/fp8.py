@@ -341,20 +341,15 @@ def _route_gemms(name, equation, fwd, bwd):
         # both backward GEMMs. (The other routes round inside one compiled
         # function per GEMM, where XLA fuses the rounding into it.)
         if name == "simulate":
-            def rounding(dtype):
-                return lambda x: quantized_float32(x, dtype)
-
+            round_to = quantized_float32
             gemm_fwd = lambda a, b: einsum_f32(equation, a, b)
             gemm_a = lambda g, b: einsum_f32(grad_a_eq, g, b)
             gemm_b = lambda a, g: einsum_f32(grad_b_eq, a, g)
         else:
-            def rounding(dtype):
-                return lambda x: saturating_cast(x, dtype)
-
+            round_to = saturating_cast
             gemm_fwd, gemm_a, gemm_b = _torch_forward, _torch_grad_a, _torch_grad_b
-        return Gemms(
-            gemm_fwd, gemm_a, gemm_b, (rounding(fwd), rounding(fwd), rounding(bwd))
-        )
+        quantize = tuple((lambda x, d=d: round_to(x, d)) for d in (fwd, fwd, bwd))
+        return Gemms(gemm_fwd, gemm_a, gemm_b, quantize)
     gemm = _GEMMS[name]
     # The weight gradient `aᵀg` contracts the leading (row) dim of both
     # operands: XLA CPU's bfloat16 GEMM does not take that layout and

@@ -362,9 +362,9 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             # repeats); the inner optimizer must get it as in plain
             # Keras, whose sparse update differs (Adam squares rows).
             # (A float32 copy of a narrower gradient is scaled in place.)
-            g32 = S.cast(g, "float32")
-            scale_fn = S.multiply if g32 is g else S.multiply_in_place
-            inner_grads[i] = scale_fn(g32, g_scale)
+            narrower = dtype_name(g.dtype) != "float32"
+            scale_fn = S.multiply_in_place if narrower else S.multiply
+            inner_grads[i] = scale_fn(S.cast(g, "float32"), g_scale)
         return ops.all(S.isfinite(stats * gs))
 
     def _update(self, weights, inner_grads, guard):

@@ -17,6 +17,7 @@ from keras import ops
 
 from keras_scalify.backend import optimizer as backend_optimizer
 from keras_scalify.backend import scalar as S
+from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import saturating_cast
 from keras_scalify.core.rounding import stochastic_cast
@@ -95,9 +96,10 @@ def decode(data, scale, owned=False):
     `owned`: float32 `data` that may be scaled in place (eager torch's
     native update, which then updates it there). The float32 copy of
     narrower data is scaled in place."""
+    narrower = dtype_name(data.dtype) != "float32"  # its cast is a copy
     value = pow2.as_dtype(data, "float32")
     if scale is None:
         return value
-    if owned or value is not data:
+    if owned or narrower:
         return S.multiply_in_place(value, scale)
     return value * scale
