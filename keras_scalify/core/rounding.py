@@ -68,18 +68,22 @@ def hash32(x, owned=False):
     return _xor_shift(x, 16, owned, scratch)
 
 
-def random_bits(shape, key):
+def random_bits(shape, key, start=0):
     """Uniform random int32 bit patterns of `shape` for an int32 scalar
-    `key`: `hash32` of each element's flat index times the golden-ratio
-    constant (a Weyl sequence) plus the hashed key. One hash round per
-    element (11 integer ops), in place on the index tensor; different keys
-    give independent patterns."""
-    key = S.cast(key, "int32")
+    `key`: `hash32` of each element's flat index (plus `start`) times the
+    golden-ratio constant (a Weyl sequence) plus the hashed key. One hash
+    round per element (11 integer ops), in place on the index tensor;
+    different keys give independent patterns."""
+    return _index_bits(shape, hash32(S.cast(key, "int32")), start)
+
+
+def _index_bits(shape, hashed_key, start):
+    """`random_bits` from the key's `hash32`."""
     size = 1
     for d in shape:
         size *= int(d)
-    index = ops.reshape(ops.arange(size, dtype="int32"), shape)
-    x = S.add_in_place(S.multiply_in_place(index, _GOLDEN), hash32(key))
+    index = ops.reshape(ops.arange(start, start + size, dtype="int32"), shape)
+    x = S.add_in_place(S.multiply_in_place(index, _GOLDEN), hashed_key)
     return hash32(x, owned=True)
 
 
@@ -115,7 +119,13 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
     k = DROPPED_BITS[dtype]
     big = get_format(dtype).max
     clip = S.clip_in_place if owned else S.clip
-    bits = S.view(clip(x, -big, big), "int32")
-    noise = _shift_right(random_bits(tuple(x.shape), key), 32 - k, owned=True)
-    bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
-    return S.cast(S.view(bits, "float32"), dtype)
+    hashed_key = hash32(S.cast(key, "int32"))
+
+    def piece(x, start):
+        # (Eager torch: a slice at a time, `backend.scalar.chunked`.)
+        bits = S.view(clip(x, -big, big), "int32")
+        noise = _shift_right(_index_bits(tuple(x.shape), hashed_key, start), 32 - k, owned=True)
+        bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
+        return S.cast(S.view(bits, "float32"), dtype)
+
+    return S.chunked(piece, x, dtype)

@@ -57,6 +57,8 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     a_dtype, b_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
     q = gemms.quantize
+    # (Eager torch: a cotangent autograd will not ask for is not computed.)
+    need_a, need_b = S.needs_gradient(a), S.needs_gradient(b)
 
     @ops.custom_gradient
     def fn(a, b, f_out, f_a, f_b):
@@ -67,8 +69,11 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
             g = _upstream(args, upstream)
             if q is not None:
                 g = q[2](g)
-            ga = _apply(gemms.grad_a, g, b, f_a, a_shape, a_dtype, exact)
-            gb = _apply(gemms.grad_b, a, g, f_b, b_shape, b_dtype, exact)
+            ga = gb = None
+            if need_a:
+                ga = _apply(gemms.grad_a, g, b, f_a, a_shape, a_dtype, exact)
+            if need_b:
+                gb = _apply(gemms.grad_b, a, g, f_b, b_shape, b_dtype, exact)
             return ga, gb, None, None, None
 
         return _apply(gemms.forward, a, b, f_out, out_shape, out_dtype, exact), grad

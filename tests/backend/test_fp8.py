@@ -308,9 +308,32 @@ def test_auto_route_simulates_on_a_cpu_without_bfloat16_units(monkeypatch):
     assert fp8.resolve_route(eq, (2, 16), (16, 16), "auto") == NATIVE
 
 
+def test_simulation_rounding_is_saturating_cast_bit_for_bit(monkeypatch):
+    # Each backend's rounding (jax: float32 arithmetic; torch: integer
+    # passes on the bit pattern, a chunk at a time: chunks of 1000 here,
+    # the last one partial) against its own saturating cast, on values
+    # over 16 decades, float32 bit patterns, and each format's ties,
+    # boundaries, subnormals, ±0, ±inf and NaN.
+    from tests.core.test_formats import _edge_values
+
+    monkeypatch.setattr(fp8, "ELEMENTWISE_CHUNK", 1000)
+    x = _edge_values()
+    assert x.size % 1000
+    for dtype in ("float8_e4m3fn", "float8_e5m2"):
+        for source in ("float32", "float16"):
+            t = ops.cast(ops.convert_to_tensor(x), source)
+            got = ops.convert_to_numpy(fp8.quantized_float32(t, dtype))
+            want = ops.convert_to_numpy(ops.cast(ksc.core.saturating_cast(t, dtype), "float32"))
+            assert got.dtype == np.float32 and got.shape == x.shape
+            same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+            assert same.all(), (dtype, source, x[~same][:5], got[~same][:5], want[~same][:5])
+    empty = fp8.quantized_float32(ops.zeros((0, 3)), "float8_e4m3fn")
+    assert tuple(empty.shape) == (0, 3)
+
+
 def test_simulation_rounds_in_float32_arithmetic_on_jax(rng):
-    """jax (always compiled) rounds to FP8 in float32 arithmetic; TF and
-    torch cast to FP8 and back. Same values either way."""
+    """jax (always compiled) rounds to FP8 in float32 arithmetic, TF
+    casts to FP8 and back, torch rounds the bit pattern. Same values."""
     x = rng.standard_normal((8, 32)).astype("float32") * 100
     got = to_np(fp8.quantized_float32(ops.convert_to_tensor(x), "float8_e4m3fn"))
     want = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)

@@ -89,3 +89,29 @@ def test_stochastic_cast_with_a_key_is_deterministic():
     other = ops.convert_to_tensor(np.int32(4))
     y3 = ops.convert_to_numpy(ops.cast(stochastic_cast(x, "float16", key=other), "float32"))
     assert np.any(y1 != y3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("owned", [False, True])
+def test_stochastic_cast_matches_the_reference_in_chunks(monkeypatch, dtype, owned):
+    # Eager torch rounds 100 elements at a time here (the last chunk
+    # partial); every backend matches the NumPy reference bit for bit.
+    import ml_dtypes
+
+    from keras_scalify.backend import scalar
+
+    monkeypatch.setattr(scalar, "ELEMENTWISE_CHUNK", 100)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(1050) * 10.0 ** rng.integers(-3, 3, 1050)).astype(np.float32)
+    x[:4] = [1e6, -1e6, 0.0, -0.0]
+    key = 12345
+    got = stochastic_cast(ops.convert_to_tensor(x.copy()), dtype, key=ops.convert_to_tensor(np.int32(key)), owned=owned)
+    got = ops.convert_to_numpy(ops.cast(got, "float32"))
+    k = {"float16": 13, "bfloat16": 16}[dtype]
+    big = float(ml_dtypes.finfo(getattr(ml_dtypes, dtype, np.float16)).max)
+    bits = np.clip(x, -big, big).view(np.uint32)
+    noise = _np_random_bits(x.shape, key).view(np.uint32) >> np.uint32(32 - k)
+    with np.errstate(over="ignore"):
+        rounded = ((bits + noise) & np.uint32((1 << 32) - (1 << k))).view(np.float32)
+    want = rounded.astype(getattr(ml_dtypes, dtype, np.float16)).astype(np.float32)
+    np.testing.assert_array_equal(got, want)

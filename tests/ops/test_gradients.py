@@ -346,3 +346,32 @@ def test_unit_scale_attention_block(rng):
         return ksc.ops.add(x, ksc.ops.matmul(o, wo))
 
     _check_unit(attention, [x] + ws, rng)
+
+
+def test_an_input_without_gradient_skips_its_gemm(monkeypatch, rng):
+    # A model's input needs no cotangent: eager torch (`requires_grad`)
+    # skips its GEMM, as Keras's Dense does; the weight's gradient is the
+    # same as when the input is differentiated too.
+    from keras_scalify.backend import scalar
+    from keras_scalify.ops import _gemm
+
+    gemms = []
+    original = _gemm._apply
+
+    def recording(gemm, *args):
+        gemms.append(gemm)
+        return original(gemm, *args)
+
+    monkeypatch.setattr(_gemm, "_apply", recording)
+    x = ops.convert_to_tensor(rng.standard_normal((8, 32)).astype("float32"))
+    w = rng.standard_normal((32, 16)).astype("float32")
+
+    def loss(xd, wd):
+        return ops.sum(ksc.to_array(ksc.ops.matmul(ksc.as_scaled(xd), ksc.as_scaled(wd))) ** 2)
+
+    _, (_, both) = kb.value_and_grad(loss)(x, ops.convert_to_tensor(w))
+    assert len(gemms) == 3
+    del gemms[:]
+    _, (only,) = kb.value_and_grad(lambda wd: loss(x, wd))(ops.convert_to_tensor(w))
+    np.testing.assert_array_equal(to_np(only), to_np(both))
+    assert len(gemms) == (2 if scalar.TORCH else 3)
