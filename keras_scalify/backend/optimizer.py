@@ -133,6 +133,18 @@ def host_bool(x):
     return bool(x)
 
 
+def owned_gradient(gradient, variable):
+    """Whether `gradient` is `variable`'s own autograd `.grad` (eager
+    PyTorch: Keras's torch trainer passes these, and clears them before
+    the next backward pass): the optimizer may then scale it in place, as
+    `torch.amp.GradScaler` unscales gradients, instead of writing a
+    weight-sized copy. False elsewhere."""
+    if keras.backend.backend() != "torch":
+        return False
+    value = getattr(variable, "value", None)
+    return gradient is not None and gradient is getattr(value, "grad", None)
+
+
 # Weight elements above which TensorFlow runs the optimizer step as one XLA
 # computation (`run_if(fuse=True)`).
 FUSE_MIN_ELEMENTS = 2**20

@@ -15,6 +15,7 @@ from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.backend.optimizer import ghost_variable
 from keras_scalify.backend.optimizer import is_ghost
 from keras_scalify.backend.optimizer import native_updates
+from keras_scalify.backend.optimizer import owned_gradient
 from keras_scalify.backend.optimizer import GuardedScope
 from keras_scalify.backend.optimizer import assign_all
 from keras_scalify.backend.optimizer import host_bool
@@ -361,9 +362,10 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             # repeats included), which `*` densifies (summing the
             # repeats); the inner optimizer must get it as in plain
             # Keras, whose sparse update differs (Adam squares rows).
-            # (A float32 copy of a narrower gradient is scaled in place.)
-            narrower = dtype_name(g.dtype) != "float32"
-            scale_fn = S.multiply_in_place if narrower else S.multiply
+            # (A float32 copy of a narrower gradient, and a variable's
+            # own `.grad` on eager torch, are scaled in place.)
+            in_place = dtype_name(g.dtype) != "float32" or owned_gradient(g, sv.data)
+            scale_fn = S.multiply_in_place if in_place else S.multiply
             inner_grads[i] = scale_fn(S.cast(g, "float32"), g_scale)
         return ops.all(S.isfinite(stats * gs))
 

@@ -93,3 +93,30 @@ def test_eager_torch_runs_the_inner_optimizers_own_update(finite):
     on_torch = keras.backend.backend() == "torch"
     assert len(calls) == (1 if on_torch and finite else 0)
     assert int(keras.ops.convert_to_numpy(optimizer.skipped_steps)) == (0 if finite else 1)
+
+
+def test_a_variables_own_grad_is_scaled_in_place_and_others_are_not():
+    """On eager torch the gradients Keras's trainer passes (each variable's
+    autograd `.grad`) are decoded in place, as `GradScaler` unscales them;
+    a gradient the caller holds otherwise is left as it is. Same update
+    either way."""
+    x, y = data(n=8)
+    results, calls = [], []
+    for own in (False, True):
+        model = scaled_mlp("scaled_float32")
+        optimizer = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2))
+        variables = model.trainable_variables
+        grads = [np.full(v.shape, 0.25, "float32") for v in variables]
+        tensors = [keras.ops.convert_to_tensor(g) for g in grads]
+        if own and keras.backend.backend() == "torch":
+            for v, t in zip(variables, tensors):
+                v.value.grad = t
+            tensors = [v.value.grad for v in variables]
+        optimizer.apply(tensors, variables)
+        results.append(represented_weights(model))
+        calls.append([np.array_equal(keras.ops.convert_to_numpy(t), g) for t, g in zip(tensors, grads)])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    assert all(calls[0])
+    if keras.backend.backend() == "torch":
+        assert not all(calls[1])  # scaled by the grad scales in place
