@@ -79,6 +79,7 @@ if TORCH:
 
     _CONSTANTS = {}
     _TENSOR = torch.Tensor
+    _is_compiling = torch.compiler.is_compiling
     # The dtypes of scale arithmetic. (A float16 operand computes with a
     # Python number in float32: a float16 constant would round it first.)
     _CONSTANT_DTYPES = (torch.float32, torch.int32)
@@ -92,6 +93,12 @@ if TORCH:
         or an int outside int32, NaN, -0.0, or while `torch.compile`
         traces)."""
         dtype = like.dtype
+        key = (a, type(a), dtype, like.device)
+        out = _CONSTANTS.get(key)
+        # (-0.0 finds 0.0's entry: not valid for it.)
+        if out is not None and not _is_compiling():
+            if a != 0 or type(a) is int or math.copysign(1.0, a) > 0:
+                return out
         if dtype not in _CONSTANT_DTYPES or a != a:
             return None
         if dtype != torch.float32 and (type(a) is not int or not -(2**31) <= a < 2**31):
@@ -100,8 +107,6 @@ if TORCH:
             return None
         if _compiling():
             return None
-        key = (a, type(a), dtype, like.device)
-        out = _CONSTANTS.get(key)
         if out is None:
             if len(_CONSTANTS) > 4096:
                 _CONSTANTS.clear()
@@ -126,6 +131,9 @@ if TORCH:
             if first == 0 and type(args[0]) is _TENSOR:
                 if len(args) == 1 or (len(args) == 2 and type(args[1]) is _TENSOR):
                     return torch_fn(*args)
+                if constants and len(args) == 2 and type(args[1]) in _NUMBERS:
+                    c = _constant(args[1], args[0])
+                    return torch_fn(args[0], args[1] if c is None else c)
             tensor = None
             numbers = False
             for a in args[first:]:

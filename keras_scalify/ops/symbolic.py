@@ -17,17 +17,35 @@ from keras.src.ops.operation import Operation
 from keras_scalify.core.scaled_tensor import ScaledTensor
 
 
-def _has_symbolic(args, kwargs):
-    def symbolic(x, depth=0):
-        if isinstance(x, keras.KerasTensor):
-            return True
-        if depth < 2 and (type(x) is ScaledTensor or type(x) in (list, tuple)):
-            return any(symbolic(v, depth + 1) for v in x)
-        return False
+_KERAS_TENSOR = keras.KerasTensor
 
-    return any(symbolic(a) for a in args) or any(
-        symbolic(v) for v in kwargs.values()
-    )
+
+def _symbolic(x, depth=0):
+    """Whether `x` is a KerasTensor, or holds one within two levels of
+    ScaledTensors, lists and tuples."""
+    if isinstance(x, _KERAS_TENSOR):
+        return True
+    t = type(x)
+    if t is ScaledTensor:  # (the usual case first: three tensors)
+        a, b, c = x
+        if not (type(a) in _NESTED or type(b) in _NESTED or type(c) in _NESTED):
+            return isinstance(a, _KERAS_TENSOR) or isinstance(b, _KERAS_TENSOR) or isinstance(c, _KERAS_TENSOR)
+    if depth < 2 and (t is ScaledTensor or t in (list, tuple)):
+        return any(_symbolic(v, depth + 1) for v in x)
+    return False
+
+
+_NESTED = (ScaledTensor, list, tuple)
+
+
+def _has_symbolic(args, kwargs):
+    for a in args:
+        if _symbolic(a):
+            return True
+    for v in kwargs.values():
+        if _symbolic(v):
+            return True
+    return False
 
 
 def _is_leaf(x):

@@ -117,6 +117,13 @@ def test_cached_constants_keep_each_ops_result():
         _same(S.subtract(e, 127), ops.subtract(e, 127))
         _same(S.left_shift(S.add(e, 127), 23), ops.left_shift(ops.add(e, 127), 23))
         _same(S.equal(s, 0), ops.equal(s, 0))
+        # 0.0 cached first: -0.0 (equal as a dict key) keeps its sign.
+        z = ops.convert_to_tensor(np.float32(0.0))
+        for c in (0.0, -0.0, 0):
+            got = S.add(z, c) if c == 0.0 else S.multiply(z, c)
+            want = ops.add(z, c) if c == 0.0 else ops.multiply(z, c)
+            _same(got, want)
+            assert np.signbit(ops.convert_to_numpy(S.multiply(s, c))) == np.signbit(np.float32(c))
     _same(S.bitwise_and(e, -(2**31)), ops.bitwise_and(e, -(2**31)))
 
 
