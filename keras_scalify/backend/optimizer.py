@@ -202,7 +202,7 @@ def assign_all(pairs):
         if not torch.compiler.is_compiling() and not in_stateless_scope():
             # A float32 slot updated in place by the native update is the
             # variable's own tensor: nothing to copy.
-            pairs = [(v.value, x) for v, x in pairs if x is not v.value]
+            pairs = [(t, x) for t, x in ((v.value, x) for v, x in pairs) if x is not t]
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_(

@@ -237,6 +237,13 @@ if TORCH:
             return torch.mean(x)
         return ops.mean(x)
 
+    def int32_range(start, shape):
+        """`start, start + 1, ...` as an int32 tensor of `shape` (a tuple
+        of ints): the flat indices of a tensor of that shape, from
+        `start`."""
+        n = math.prod(shape)
+        return torch.arange(start, start + n, dtype=torch.int32).reshape(shape)
+
     def _writable(x):
         """Whether an in-place op may write `x`: an eager torch tensor
         outside autograd (no gradient recorded through it)."""
@@ -377,6 +384,11 @@ else:
     def mean(x):
         """The mean over all elements."""
         return ops.mean(x)
+
+    def int32_range(start, shape):
+        """`start, start + 1, ...` as an int32 tensor of `shape`."""
+        n = math.prod(shape)
+        return ops.reshape(ops.arange(start, start + n, dtype="int32"), shape)
 
     # Traced backends have no in-place writes: the ops above.
     clip_in_place, multiply_in_place, add_in_place, subtract_in_place = clip, multiply, add, subtract

@@ -22,7 +22,6 @@ backend. (`keras.random.randint` on JAX's default threefry generator took
 """
 
 import keras
-from keras import ops
 from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import scalar as S
@@ -79,10 +78,7 @@ def random_bits(shape, key, start=0):
 
 def _index_bits(shape, hashed_key, start):
     """`random_bits` from the key's `hash32`."""
-    size = 1
-    for d in shape:
-        size *= int(d)
-    index = ops.reshape(ops.arange(start, start + size, dtype="int32"), shape)
+    index = S.int32_range(start, tuple(int(d) for d in shape))
     x = S.add_in_place(S.multiply_in_place(index, _GOLDEN), hashed_key)
     return hash32(x, owned=True)
 

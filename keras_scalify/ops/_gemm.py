@@ -16,6 +16,10 @@ costs no pass of its own:
   commutes with float32 rounding). A Dense layer's weight gradient thus
   comes out of its GEMM already scaled, instead of taking another pass
   over the weight-sized result.
+
+A cotangent autograd will not ask for (eager torch: an operand without
+`requires_grad`, such as a model's input) is not computed: the first
+layer's input-gradient GEMM is skipped, as Keras's Dense skips it.
 """
 
 OPERAND_RATIO = 4

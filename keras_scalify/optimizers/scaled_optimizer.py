@@ -379,10 +379,10 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         known = host_bool(rescale)
         rescale = rescale if known is None else known
         if rescale is False:  # eager torch, between rescaling steps
-            new_scales = [read_tensor(sv.scale) for sv, _, _ in weights]
+            new_scales = [scale for _, _, scale in weights]
         else:
             factors = state.rescale_factors([read_tensor(sv.data) for sv, _, _ in weights], rescale)
-            new_scales = [read_tensor(sv.scale) * k for (sv, _, _), k in zip(weights, factors)]
+            new_scales = [scale * k for (_, _, scale), k in zip(weights, factors)]
         inner_real = [v for v in inner.variables if not is_ghost(v)]
         with native_updates(inner, guard) as native:
             # The native update owns what it updates: float32 data is
