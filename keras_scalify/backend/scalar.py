@@ -18,6 +18,8 @@ follows the tensor's, as in Keras. They are plain torch calls, so
 
 import math
 
+import numpy as np
+
 import keras
 from keras import ops
 from keras.src.backend import standardize_dtype
@@ -307,6 +309,48 @@ if TORCH:
             out[start:end].copy_(fn(flat[start:end], start))
         return out.view(x.shape)
 
+    def batches(x):
+        """Whether `x` is rounded together with other small tensors
+        (`core.rounding.stochastic_cast_all`): an eager torch tensor of
+        fewer than `ELEMENTWISE_CHUNK` elements, where each op's dispatch
+        costs more than its pass."""
+        return isinstance(x, torch.Tensor) and x.numel() < ELEMENTWISE_CHUNK and not _compiling()
+
+    _LAYOUTS = {}
+
+    def concatenate_flat(xs):
+        """`(flat, index, segment)` for `batches` tensors: their float32
+        values in one new flat tensor, each element's flat index within its
+        own tensor (int32, a new tensor) and its tensor's number (int64;
+        the layout is cached by the tensors' sizes)."""
+        sizes = tuple(x.numel() for x in xs)
+        flat = torch.cat([x.reshape(-1).to(torch.float32) for x in xs])
+        key = (sizes, flat.device)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            if len(_LAYOUTS) > 64:
+                _LAYOUTS.clear()
+            index = np.concatenate([np.arange(n, dtype=np.int32) for n in sizes])
+            segment = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+            layout = _LAYOUTS[key] = (
+                torch.from_numpy(index).to(flat.device),
+                torch.from_numpy(segment).to(flat.device),
+            )
+        return flat, layout[0].clone(), layout[1]
+
+    def split_like(flat, xs):
+        """`flat` cut into views shaped as `xs` (`concatenate_flat`'s
+        inverse)."""
+        pieces = torch.split(flat, [x.numel() for x in xs])
+        return [p.view(x.shape) for p, x in zip(pieces, xs)]
+
+    def gather(values, index):
+        """`values[index]` (a 1-D tensor and int64 indices)."""
+        return values[index]
+
+    def stack(xs):
+        return torch.stack(xs)
+
     def rms(x):
         """`sqrt(mean(x²))` over all elements of a float32 tensor, without
         the squared copy (`vector_norm`; it overflows to inf where the sum
@@ -406,6 +450,11 @@ else:
     def chunked(fn, x, dtype):
         """`fn(x, 0)`: traced backends fuse the passes themselves."""
         return fn(x, 0)
+
+    def batches(x):
+        """Never: traced backends fuse each tensor's passes (the batching
+        helpers of eager torch are not defined here)."""
+        return False
 
     def rms(x):
         """`sqrt(mean(x²))` over all elements (0 for an empty tensor). On

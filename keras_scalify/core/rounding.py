@@ -73,14 +73,14 @@ def random_bits(shape, key, start=0):
     golden-ratio constant (a Weyl sequence) plus the hashed key. One hash
     round per element (11 integer ops), in place on the index tensor;
     different keys give independent patterns."""
-    return _index_bits(shape, hash32(S.cast(key, "int32")), start)
-
-
-def _index_bits(shape, hashed_key, start):
-    """`random_bits` from the key's `hash32`."""
     index = S.int32_range(start, tuple(int(d) for d in shape))
-    x = S.add_in_place(S.multiply_in_place(index, _GOLDEN), hashed_key)
-    return hash32(x, owned=True)
+    return _hashed(index, hash32(S.cast(key, "int32")))
+
+
+def _hashed(index, hashed_key):
+    """`hash32(index · golden + hashed_key)`, in place on the int32 flat
+    indices `index` (`hashed_key`: a scalar, or one per element)."""
+    return hash32(S.add_in_place(S.multiply_in_place(index, _GOLDEN), hashed_key), owned=True)
 
 
 def draw_key(seed):
@@ -112,16 +112,45 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
         )
     if key is None:
         key = draw_key(seed)
-    k = DROPPED_BITS[dtype]
-    big = get_format(dtype).max
     clip = S.clip_in_place if owned else S.clip
     hashed_key = hash32(S.cast(key, "int32"))
 
     def piece(x, start):
         # (Eager torch: a slice at a time, `backend.scalar.chunked`.)
-        bits = S.view(clip(x, -big, big), "int32")
-        noise = _shift_right(_index_bits(tuple(x.shape), hashed_key, start), 32 - k, owned=True)
-        bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
-        return S.cast(S.view(bits, "float32"), dtype)
+        return _round_bits(x, dtype, S.int32_range(start, tuple(x.shape)), hashed_key, clip)
 
     return S.chunked(piece, x, dtype)
+
+
+def _round_bits(x, dtype, index, hashed_key, clip):
+    """The stochastic cast of float32 `x` to `dtype` with the random bits
+    `hash32(index · golden + hashed_key)` (`index`: each element's int32
+    flat index, written over; `hashed_key`: a scalar or per element)."""
+    k = DROPPED_BITS[dtype]
+    big = get_format(dtype).max
+    bits = S.view(clip(x, -big, big), "int32")
+    noise = _shift_right(_hashed(index, hashed_key), 32 - k, owned=True)
+    bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
+    return S.cast(S.view(bits, "float32"), dtype)
+
+
+def stochastic_cast_all(xs, dtype, keys, owned=False):
+    """`[stochastic_cast(x, dtype, key=key, owned=owned) for x, key in
+    zip(xs, keys)]`, bit for bit. On eager torch the small tensors
+    (`backend.scalar.batches`: a model's biases, norms, attention
+    projections) are rounded together, concatenated: one pass of ~20 ops
+    instead of ~20 ops each."""
+    dtype = standardize_dtype(dtype)
+    out = [None] * len(xs)
+    small = [i for i, x in enumerate(xs) if S.batches(x)]
+    if dtype in DROPPED_BITS and len(small) > 1:
+        group = [xs[i] for i in small]
+        flat, index, segment = S.concatenate_flat(group)
+        hashed = hash32(S.cast(S.stack([keys[i] for i in small]), "int32"))
+        rounded = _round_bits(flat, dtype, index, S.gather(hashed, segment), S.clip_in_place)
+        for i, piece in zip(small, S.split_like(rounded, group)):
+            out[i] = piece
+    return [
+        y if y is not None else stochastic_cast(x, dtype, key=key, owned=owned)
+        for x, key, y in zip(xs, keys, out)
+    ]

@@ -405,12 +405,15 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             def commit(var, value):
                 return var, (value if guard is True else ops.where(guard, value, read_tensor(var)))
 
-            keys = self._rounding_keys(weights)
+            encoded = state.encode_weights(
+                [new(ghost) for _, ghost, _ in weights],
+                new_scales,
+                [sv.master_dtype for sv, _, _ in weights],
+                self._rounding_keys(weights),
+                owned=guard is True and native,
+            )
             writes = []
-            for (sv, ghost, _), key, scale in zip(weights, keys, new_scales):
-                data, scale = state.encode_weight(
-                    new(ghost), scale, sv.master_dtype, key, owned=guard is True and native
-                )
+            for (sv, _, _), (data, scale) in zip(weights, encoded):
                 writes += [commit(sv.data, data), commit(sv.scale, scale)]
             for kind, _, v in self._entries:
                 if kind == "plain":

@@ -1,6 +1,6 @@
 """Encoding float32 values as stored data × pow2 scale, for the optimizer.
 
-- Weights (`encode_weight`): the scale is kept between rescalings, so the
+- Weights (`encode_weights`): the scale is kept between rescalings, so the
   new data is `value / scale`; every `rescale_every` steps the scale moves
   by `P(rms(data))` of the stored data (`rescale_factors`, read before the
   update, so that the update stays one pass over the weight) and the data
@@ -20,7 +20,7 @@ from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import saturating_cast
-from keras_scalify.core.rounding import stochastic_cast
+from keras_scalify.core.rounding import stochastic_cast_all
 from keras_scalify.ops.rescaling import valid_pow2
 
 SLOT_MAX_EXPONENT = 14
@@ -55,31 +55,47 @@ def rescale_factors(datas, rescale):
     return ops.unstack(factors)
 
 
-def encode_weight(value, scale, dtype, key=None, owned=False):
-    """`(data, scale)` for the float32 weight `value` with the pow2 `scale`
-    (the current scale times its `rescale_factors` entry, kept in the normal range
-    `[2**-126, 2**126]`): `data = value · (1/scale)`, exact.
+def encode_weights(values, scales, dtypes, keys, owned=False):
+    """`(data, scale)` of each float32 weight in `values` with its pow2
+    scale in `scales` (the current scale times its `rescale_factors`
+    entry, kept in the normal range `[2**-126, 2**126]`): `data = value ·
+    (1/scale)`, exact, in the weight's master dtype (`dtypes`).
 
     Args:
-        value: the new represented weight (float32).
-        scale: its pow2 scale.
-        dtype: the master dtype of the data.
-        key: an int32 scalar key for stochastic rounding
+        values: the new represented weights (float32).
+        scales: their pow2 scales.
+        dtypes: the master dtypes of their data.
+        keys: per weight, an int32 scalar key for stochastic rounding
             (`core.rounding.random_bits`), or None for round-to-nearest.
-        owned: `value` is a tensor of this step that nothing else reads
-            (eager torch's in-place update of the decoded weight): it is
-            scaled in place, without a weight-sized temporary.
+            The stochastic roundings to one dtype run together
+            (`stochastic_cast_all`: one pass over a model's small weights
+            on eager torch).
+        owned: the values are tensors of this step that nothing else reads
+            (eager torch's in-place update of the decoded weights): they
+            are scaled in place, without weight-sized temporaries.
     """
-    # A normal pow2 scale has an exact reciprocal: one multiply per element
-    # instead of a divide (the scale is kept normal).
-    scale = S.clip(scale, SCALE_MIN, SCALE_MAX)
-    inv = 1.0 / scale
-    data = S.multiply_in_place(value, inv) if owned else value * inv
-    if dtype == "float32":
-        return data, scale
-    if key is None:
-        return saturating_cast(data, dtype), scale
-    return stochastic_cast(data, dtype, key=key, owned=owned), scale
+    out = []
+    for value, scale in zip(values, scales):
+        # A normal pow2 scale has an exact reciprocal: one multiply per
+        # element instead of a divide (the scale is kept normal).
+        scale = S.clip(scale, SCALE_MIN, SCALE_MAX)
+        inv = 1.0 / scale
+        out.append([S.multiply_in_place(value, inv) if owned else value * inv, scale])
+    rounded = {}
+    for i, (dtype, key) in enumerate(zip(dtypes, keys)):
+        if dtype == "float32":
+            continue
+        if key is None:
+            out[i][0] = saturating_cast(out[i][0], dtype)
+        else:
+            rounded.setdefault(dtype, []).append(i)
+    for dtype, indices in rounded.items():
+        datas = stochastic_cast_all(
+            [out[i][0] for i in indices], dtype, [keys[i] for i in indices], owned=owned
+        )
+        for i, data in zip(indices, datas):
+            out[i][0] = data
+    return [tuple(pair) for pair in out]
 
 
 def encode_slot(value, dtype):

@@ -115,3 +115,24 @@ def test_stochastic_cast_matches_the_reference_in_chunks(monkeypatch, dtype, own
         rounded = ((bits + noise) & np.uint32((1 << 32) - (1 << k))).view(np.float32)
     want = rounded.astype(getattr(ml_dtypes, dtype, np.float16)).astype(np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_stochastic_cast_all_is_each_tensors_cast(monkeypatch, dtype):
+    # Eager torch rounds the tensors below 100 elements together,
+    # concatenated; each result is its own `stochastic_cast`, bit for bit.
+    from keras_scalify.backend import scalar
+    from keras_scalify.core.rounding import stochastic_cast_all
+
+    monkeypatch.setattr(scalar, "ELEMENTWISE_CHUNK", 100)
+    rng = np.random.default_rng(1)
+    shapes = [(5,), (3, 10), (99,), (250,), (), (4, 4)]
+    xs = [rng.standard_normal(s).astype(np.float32) * 1e3 for s in shapes]
+    keys = [ops.convert_to_tensor(np.int32(k)) for k in (7, -3, 2**31 - 1, 0, 11, 7)]
+    got = stochastic_cast_all([ops.convert_to_tensor(x) for x in xs], dtype, keys)
+    for x, key, y in zip(xs, keys, got):
+        want = stochastic_cast(ops.convert_to_tensor(x), dtype, key=key)
+        assert tuple(y.shape) == x.shape
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(ops.cast(y, "float32")), ops.convert_to_numpy(ops.cast(want, "float32"))
+        )

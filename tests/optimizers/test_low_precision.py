@@ -162,18 +162,22 @@ def test_grad_scale_is_calibrated_from_the_gradient_rms():
     assert float(to_np(kernel.grad_scale)) == 2.0**-16
 
 
-def test_encode_weight_multiplies_by_an_exact_reciprocal_and_keeps_scales_normal():
+def test_encode_weights_multiplies_by_an_exact_reciprocal_and_keeps_scales_normal():
     from keras_scalify.optimizers import state
 
     value = np.array([3.0, -1.5, 1e-3, 0.0], np.float32)
     for scale in (2.0**-20, 1.0, 2.0**40):
-        data, s = state.encode_weight(ops.convert_to_tensor(value), ops.convert_to_tensor(np.float32(scale)), "float32")
+        ((data, s),) = state.encode_weights(
+            [ops.convert_to_tensor(value)], [ops.convert_to_tensor(np.float32(scale))], ["float32"], [None]
+        )
         assert float(ops.convert_to_numpy(s)) == scale
         np.testing.assert_array_equal(ops.convert_to_numpy(data), value / np.float32(scale))
     # A subnormal scale is raised to 2**-126: 1/scale stays finite, and
     # data × scale still decodes to the value.
     tiny = np.array([1e-37, -2e-37], np.float32)
-    data, s = state.encode_weight(ops.convert_to_tensor(tiny), ops.convert_to_tensor(np.float32(2.0**-140)), "float32")
+    ((data, s),) = state.encode_weights(
+        [ops.convert_to_tensor(tiny)], [ops.convert_to_tensor(np.float32(2.0**-140))], ["float32"], [None]
+    )
     assert float(ops.convert_to_numpy(s)) == 2.0**-126
     d = ops.convert_to_numpy(data)
     assert np.all(np.isfinite(d))
