@@ -339,7 +339,10 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         scales = ops.stack([scale for _, _, scale, _ in measured])
         stored = ops.stack([read_tensor(sv.grad_scale) for _, sv, _, _ in measured])
         gs = effective_grad_scale(stored, scales)
-        stats = ops.stack([data_statistic(g, "l2") for _, _, _, g in measured])
+        # Each gradient cast to float32 once, for its statistic and its
+        # decode (a narrower one's copy is then scaled in place).
+        as_float32 = [S.cast(g, "float32") for _, _, _, g in measured]
+        stats = ops.stack([data_statistic(g, "l2") for g in as_float32])
         # A float32 gradient cannot underflow to all zeros.
         underflows = [
             dtype_name(g.dtype) != "float32" for _, _, _, g in measured
@@ -355,7 +358,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         ok = S.logical_and(S.isfinite(stats), S.greater(stats, 0.0))
         new_gs = ops.unstack(S.where(ok, new_gs, -new_gs))
         gs_each = ops.unstack(gs)
-        for (i, sv, _, g), new, g_scale in zip(measured, new_gs, gs_each):
+        for (i, sv, _, g), g32, new, g_scale in zip(measured, as_float32, new_gs, gs_each):
             always.append((sv.grad_scale, new))
             # `multiply`, not `*`: on TensorFlow an Embedding's
             # gradient is a `tf.IndexedSlices` (one row per token,
@@ -366,7 +369,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             # own `.grad` on eager torch, are scaled in place.)
             in_place = dtype_name(g.dtype) != "float32" or owned_gradient(g, sv.data)
             scale_fn = S.multiply_in_place if in_place else S.multiply
-            inner_grads[i] = scale_fn(S.cast(g, "float32"), g_scale)
+            inner_grads[i] = scale_fn(g32, g_scale)
         return ops.all(S.isfinite(stats * gs))
 
     def _update(self, weights, inner_grads, guard):
