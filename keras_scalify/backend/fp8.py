@@ -186,18 +186,18 @@ def quantized_float32(x, dtype):
     """`saturating_cast(x, dtype)` as float32 values: on jax (compiled by
     XLA) rounded in float32 arithmetic, where XLA's FP8 conversions are
     slow on CPU; on eager torch the same rounding in place
-    (`_round_torch`), and under `torch.compile` as on jax (inductor fuses
-    it); on TensorFlow (no XLA on a CPU: each op is its own pass) cast
-    there and back."""
+    (`_round_torch`); on TensorFlow (no XLA on a CPU: each op is its own
+    pass) and under `torch.compile` cast there and back (inductor's
+    compiled casts beat its compiled `saturating_round`: the FP8 MLP step
+    48 ms against 56)."""
     backend = keras.config.backend()
     if backend == "jax":
         return saturating_round(x, dtype)
     if backend == "torch" and dtype_name(dtype) in ("float8_e4m3fn", "float8_e5m2"):
         import torch
 
-        if torch.compiler.is_compiling():
-            return saturating_round(x, dtype)
-        return _round_torch(x, dtype)
+        if not torch.compiler.is_compiling():
+            return _round_torch(x, dtype)
     return ops.cast(saturating_cast(x, dtype), "float32")
 
 

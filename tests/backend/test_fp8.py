@@ -329,7 +329,7 @@ def test_simulation_rounding_is_saturating_cast_bit_for_bit(monkeypatch):
             assert same.all(), (dtype, source, x[~same][:5], got[~same][:5], want[~same][:5])
     empty = fp8.quantized_float32(ops.zeros((0, 3)), "float8_e4m3fn")
     assert tuple(empty.shape) == (0, 3)
-    # Compiled (`torch.compile` takes `saturating_round`), same bits.
+    # Compiled (`torch.compile` casts there and back), same bits.
     t = ops.convert_to_tensor(x)
     got = ops.convert_to_numpy(kb.torch_compile(lambda v: fp8.quantized_float32(v, "float8_e5m2"))(t))
     want = ops.convert_to_numpy(fp8.quantized_float32(t, "float8_e5m2"))
