@@ -224,8 +224,10 @@ def _round_torch(x, dtype):
     x = x.float().contiguous()
     bits = x.view(-1).view(torch.int32)
     out = torch.empty_like(bits)
-    size = min(ELEMENTWISE_CHUNK, bits.numel()) or 1
-    scratch = (torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=torch.int32))
+    # (Chunks on a CPU only: a GPU streams each pass at full bandwidth.)
+    chunk = ELEMENTWISE_CHUNK if bits.device.type == "cpu" else bits.numel()
+    size = min(chunk, bits.numel()) or 1
+    scratch = tuple(torch.empty(size, dtype=torch.int32, device=bits.device) for _ in range(2))
     for start in range(0, bits.numel(), size):
         end = start + size
         _round_chunk(bits[start:end], out[start:end], scratch, fmt)

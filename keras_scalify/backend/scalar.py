@@ -297,10 +297,12 @@ if TORCH:
         """`fn(x, 0)` computed `ELEMENTWISE_CHUNK` flat elements at a time:
         `fn(piece, start)` maps a 1-D slice of `x` starting at flat index
         `start` to its elementwise result in `dtype` (it may write the
-        slice in place where `x` is writable). Eager torch only; while
-        `torch.compile` traces, and for small tensors, one call."""
+        slice in place where `x` is writable). Eager torch on a CPU only
+        (a GPU streams each pass at full bandwidth, and each chunk is
+        kernel launches); on a GPU, while `torch.compile` traces, and for
+        small tensors, one call."""
         n = x.numel() if isinstance(x, torch.Tensor) else 0
-        if n <= ELEMENTWISE_CHUNK or _compiling():
+        if n <= ELEMENTWISE_CHUNK or _compiling() or x.device.type != "cpu":
             return fn(x, 0)
         flat = x.reshape(-1)
         out = torch.empty(n, dtype=to_torch_dtype(dtype), device=x.device)
