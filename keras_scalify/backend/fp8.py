@@ -196,7 +196,10 @@ def quantized_float32(x, dtype):
     if backend == "torch" and dtype_name(dtype) in ("float8_e4m3fn", "float8_e5m2"):
         import torch
 
-        if not torch.compiler.is_compiling():
+        # (float32 and narrower: a float64 beyond float32's range is
+        # clipped in float64 by the cast.)
+        narrow = getattr(x, "dtype", None) in (torch.float32, torch.float16, torch.bfloat16)
+        if narrow and not torch.compiler.is_compiling():
             return _round_torch(x, dtype)
     return ops.cast(saturating_cast(x, dtype), "float32")
 

@@ -320,7 +320,7 @@ def test_simulation_rounding_is_saturating_cast_bit_for_bit(monkeypatch):
     x = _edge_values()
     assert x.size % 1000
     for dtype in ("float8_e4m3fn", "float8_e5m2"):
-        for source in ("float32", "float16"):
+        for source in ("float32", "float16", "bfloat16", "float64"):
             t = ops.cast(ops.convert_to_tensor(x), source)
             got = ops.convert_to_numpy(fp8.quantized_float32(t, dtype))
             want = ops.convert_to_numpy(ops.cast(ksc.core.saturating_cast(t, dtype), "float32"))
