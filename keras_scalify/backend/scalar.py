@@ -298,9 +298,9 @@ if TORCH:
         `fn(piece, start)` maps a 1-D slice of `x` starting at flat index
         `start` to its elementwise result in `dtype` (it may write the
         slice in place where `x` is writable). Eager torch on a CPU only
-        (a GPU streams each pass at full bandwidth, and each chunk is
-        kernel launches); on a GPU, while `torch.compile` traces, and for
-        small tensors, one call."""
+        (a GPU streams each pass at full bandwidth, and each chunk costs
+        kernel launches there); on a GPU, while `torch.compile` traces,
+        and for small tensors, one call."""
         n = x.numel() if isinstance(x, torch.Tensor) else 0
         if n <= ELEMENTWISE_CHUNK or _compiling() or x.device.type != "cpu":
             return fn(x, 0)
@@ -351,6 +351,7 @@ if TORCH:
         return values[index]
 
     def stack(xs):
+        """The scalars or tensors `xs` stacked on a new first axis."""
         return torch.stack(xs)
 
     def rms(x):
