@@ -242,13 +242,11 @@ def _round_chunk(bits, out, scratch, fmt):
     `out`, with two int32 `scratch` buffers at least as long."""
     import torch
 
-    q = fmt.smallest_subnormal
-    shift = 23 - int(np.log2(fmt.smallest_normal / q))
+    shift, max_bits, normal_bits, inf_bits = _round_constants(fmt.name)
     n = bits.numel()
     offset, kept = scratch[0][:n], scratch[1][:n]
     mag = torch.bitwise_and(bits, 0x7FFFFFFF, out=out)
-    mag.clamp_max_(_float_bits(fmt.max))
-    normal_bits = _float_bits(fmt.smallest_normal)
+    mag.clamp_max_(max_bits)
     torch.sub(mag, normal_bits, out=offset)
     offset.bitwise_right_shift_(31).bitwise_and_(normal_bits)
     mag.view(torch.float32).add_(offset.view(torch.float32))
@@ -260,7 +258,7 @@ def _round_chunk(bits, out, scratch, fmt):
     if fmt.name == "float8_e5m2":
         # Where `x` is ±inf or NaN, its own bits.
         finite = torch.bitwise_and(bits, 0x7FFFFFFF, out=offset)
-        finite.sub_(_float_bits(float("inf"))).bitwise_right_shift_(31)
+        finite.sub_(inf_bits).bitwise_right_shift_(31)
         mag.bitwise_and_(finite)
         mag.bitwise_or_(torch.bitwise_and(bits, finite.bitwise_not_(), out=kept))
     else:
@@ -269,9 +267,15 @@ def _round_chunk(bits, out, scratch, fmt):
         mag.view(torch.float32).sub_(torch.sub(x, x, out=offset.view(torch.float32)))
 
 
-def _float_bits(value):
-    """The int32 bit pattern of a float32 `value`."""
-    return int(np.float32(value).view(np.int32))
+@functools.lru_cache(maxsize=None)
+def _round_constants(name):
+    """`(dropped mantissa bits, max, smallest normal, inf)` of the FP8
+    format `name`, the last three as int32 float32 bit patterns (computed
+    once, not per chunk)."""
+    fmt = FORMATS[name]
+    shift = 23 - int(np.log2(fmt.smallest_normal / fmt.smallest_subnormal))
+    bits = [int(np.float32(v).view(np.int32)) for v in (fmt.max, fmt.smallest_normal, np.inf)]
+    return (shift, *bits)
 
 
 def _gemm_simulate(equation, a, b, da, db):

@@ -18,6 +18,7 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 
 
 _KERAS_TENSOR = keras.KerasTensor
+_NESTED = (ScaledTensor, list, tuple)
 
 
 def _symbolic(x, depth=0):
@@ -33,9 +34,6 @@ def _symbolic(x, depth=0):
     if depth < 2 and (t is ScaledTensor or t in (list, tuple)):
         return any(_symbolic(v, depth + 1) for v in x)
     return False
-
-
-_NESTED = (ScaledTensor, list, tuple)
 
 
 def _has_symbolic(args, kwargs):
