@@ -388,6 +388,99 @@ if TORCH:
             return variable.value
         return ops.convert_to_tensor(variable)
 
+    _PARAMETER = torch.nn.Parameter
+    _KEY_CODES = {torch.float32: "f", torch.int32: "i", torch.bool: "b"}
+    _PLAIN_KEYS = (type(None), bool, int, str)
+    _MISS = object()
+    _is_inference = torch.is_inference_mode_enabled
+
+    def _memo_key(x, tensors):
+        """A hashable key of `x`'s value (0-d CPU tensors of float32, int32
+        or bool without a gradient, Python scalars, None, strings, and
+        lists or tuples of those; a tensor's value read with `item()`,
+        which on a CPU is a memory read), or `_MISS`. Each tensor found is
+        counted in `tensors`. NaN has no key (it equals nothing); -0.0 has
+        its own."""
+        t = type(x)
+        if t is _TENSOR or t is _PARAMETER:
+            code = _KEY_CODES.get(x.dtype)
+            if code is None or x.dim() != 0 or not x.is_cpu or x.requires_grad:
+                return _MISS
+            v = x.item()
+            tensors.append(code)
+        elif t is float:
+            code, v = "p", x
+        elif t in _PLAIN_KEYS:
+            return (t, x)
+        elif t is list or t is tuple:
+            keys = tuple([_memo_key(e, tensors) for e in x])
+            for k in keys:
+                if k is _MISS:
+                    return _MISS
+            return (t, keys)
+        else:
+            return _MISS
+        if v != v:
+            return _MISS
+        if v == 0 and code != "b":
+            return (code, v, math.copysign(1.0, v))
+        return (code, v)
+
+    def _memo_value(out):
+        """Whether `out` may be returned again: 0-d tensors without a
+        gradient, Python scalars, None, and tuples or lists of those."""
+        t = type(out)
+        if t is _TENSOR:
+            return out.dim() == 0 and not out.requires_grad
+        if t is list or t is tuple:
+            return all(_memo_value(e) for e in out)
+        return t in _PLAIN_KEYS or t is float
+
+    def memoize_scalars(fn):
+        """`fn`, a pure function of scalars (scale arithmetic), with its
+        results memoized by its arguments' values on eager torch.
+
+        Scale rules compute the same scales step after step from the same
+        inputs (weights' scales change at most once per optimizer step,
+        activations' follow from them), and on eager torch each scalar op
+        costs a dispatch (1-2 µs, and the Python around it). A call whose
+        arguments are all 0-d CPU tensors (float32, int32, bool, without a
+        gradient) or Python scalars, at least one a tensor, returns the
+        tensors `fn` returned for the same values before (`item()` reads
+        a CPU tensor without a device synchronization). Other calls (a
+        GPU tensor, NaN, while `torch.compile` traces, in inference mode)
+        run `fn`. The results are the same bit for bit: `fn` must depend
+        on nothing but its arguments, and no one may write its results in
+        place."""
+        cache = {}
+
+        def wrapper(*args):
+            if _is_compiling() or _is_inference():
+                return fn(*args)
+            tensors = []
+            try:
+                key = _memo_key(args, tensors)
+            except RuntimeError:  # e.g. `item()` under a functorch transform
+                key = _MISS
+            if key is _MISS or not tensors:
+                return fn(*args)
+            try:
+                out = cache[key]
+            except KeyError:
+                out = fn(*args)
+                if not _memo_value(out):
+                    return out
+                if len(cache) >= 4096:
+                    cache.clear()
+                cache[key] = out
+            return list(out) if type(out) is list else out
+
+        wrapper.__name__ = fn.__name__
+        wrapper.__qualname__ = fn.__qualname__
+        wrapper.__doc__ = fn.__doc__
+        wrapper.__wrapped__ = fn
+        return wrapper
+
 else:
     _TF = keras.backend.backend() == "tensorflow"
     if _TF:
@@ -504,3 +597,8 @@ else:
         if isinstance(t, keras.Variable):
             t = ops.copy(t)
         return t
+
+    def memoize_scalars(fn):
+        """`fn` itself: JAX and TensorFlow trace the step, so its scale
+        arithmetic costs nothing per call."""
+        return fn

@@ -82,6 +82,7 @@ def _subnormal_pow2_bits(mant):
     return S.left_shift(S.ones_like(mant), top_bit)
 
 
+@S.memoize_scalars
 def pow2_round_down(x):
     """Largest power of two `<= |x|`, as float32 (see the module table)."""
     b = _bits(_as_f32(x))
@@ -94,6 +95,7 @@ def pow2_round_down(x):
     return _from_bits(out)
 
 
+@S.memoize_scalars
 def pow2_round_up(x):
     """Smallest power of two `>= |x|`, as float32 (exact powers stay)."""
     x32 = S.abs(_as_f32(x))

@@ -20,6 +20,7 @@ def read_tensor(variable):
     return S.variable_value(variable)
 
 
+@S.memoize_scalars
 def effective_grad_scale(grad_scale, scale):
     """The grad scale in use: `|grad_scale|`, or `1/scale` while it is 0.
 
@@ -27,6 +28,15 @@ def effective_grad_scale(grad_scale, scale):
     the last gradient; < 0, moved without a measurement (the gradient was
     all zero or non-finite); 0, never measured."""
     return S.where(S.equal(grad_scale, 0.0), 1.0 / scale, S.abs(grad_scale))
+
+
+@S.memoize_scalars
+def _rebalanced(m, scale):
+    """`(1/k, 1, scale·k)` for a weight whose data's max is `m`, `k =
+    P(m)`; `(1, 1, 0)` for an all-zero (or non-finite) max."""
+    nonzero = S.logical_and(S.greater(m, 0.0), S.isfinite(m))
+    k = S.where(nonzero, pow2.pow2_round_down(m), 1.0)
+    return 1.0 / k, S.ones_like(k), S.where(nonzero, scale * k, 0.0)
 
 
 def split_value(value):
@@ -137,10 +147,8 @@ class ScaledVariable:
         if not rebalance:
             return ScaledTensor(data, scale, gs)
         m = S.stop_gradient(S.max(S.abs(pow2.as_dtype(data, "float32"))))
-        nonzero = S.logical_and(S.greater(m, 0.0), S.isfinite(m))
-        k = S.where(nonzero, pow2.pow2_round_down(m), 1.0)
-        data = rescale(data, 1.0 / k, S.ones_like(k))
-        return ScaledTensor(data, S.where(nonzero, scale * k, 0.0), gs)
+        inv_k, one, scale = _rebalanced(m, scale)
+        return ScaledTensor(rescale(data, inv_k, one), scale, gs)
 
     @property
     def calibrated(self):

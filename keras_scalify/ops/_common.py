@@ -79,11 +79,13 @@ def safe_div(a, b):
     return S.divide_no_nan(a, b)
 
 
+@S.memoize_scalars
 def grad_factor(s_out, gs_out, s_in, gs_in):
     """The cotangent factor `c = (s_out * gs_out) / (s_in * gs_in)`."""
     return safe_div(s_out * gs_out, s_in * gs_in)
 
 
+@S.memoize_scalars
 def pow2_mean(*scales):
     """Power of two at the (floored) mean exponent: a geometric mean
     (`pow2_from_exponent(floor(mean(pow2_exponent(s))))`), computed on the
@@ -97,6 +99,7 @@ def pow2_mean(*scales):
     return pow2.pow2_from_biased_exponent(total)
 
 
+@S.memoize_scalars
 def votes(preds, calibrated):
     """The predictions of an output's grad scale that count: an operand
     whose grad scale was not measured (`calibrated[i]` false: a weight whose

@@ -47,14 +47,18 @@ def add_scale(sa, sb):
     return S.maximum(sa, sb)
 
 
+@S.memoize_scalars
+def _sum_scales(sa, ga, sb, gb, calibrated):
+    """The scalars of the `add` rule: `(s, g, fa, ba, fb, bb)`, each
+    operand's forward factor `f = s_i/s` and backward factor `b = g/g_i`."""
+    s = add_scale(sa, sb)
+    g = pow2_mean(*votes([ga, gb], calibrated))
+    return s, g, safe_div(sa, s), safe_div(g, ga), safe_div(sb, s), safe_div(g, gb)
+
+
 def _add_sub(x1, x2, sign, calibrated=None):
     a, b = x1, x2
-    sa, ga = scalars(a)
-    sb, gb = scalars(b)
-    s = add_scale(sa, sb)
-    g = pow2_mean(*votes([ga, gb], check_calibrated(calibrated, 2)))
-    fa, ba = safe_div(sa, s), safe_div(g, ga)
-    fb, bb = safe_div(sb, s), safe_div(g, gb)
+    s, g, fa, ba, fb, bb = _sum_scales(*scalars(a), *scalars(b), check_calibrated(calibrated, 2))
     if fused.applies(a.data, b.data, fa, ba, fb, bb):
         return ScaledTensor(fused.scaled_sum(a.data, fa, ba, b.data, fb, bb, sign), s, g)
     da, db = rescale(a.data, fa, ba), rescale(b.data, fb, bb)
@@ -90,6 +94,14 @@ def _static_gs(ga, k, power):
     return ga * pow2.np_pow2_round_down(k) ** power
 
 
+@S.memoize_scalars
+def _product_grad_scales(sa, ga, sb, gb, s, calibrated):
+    """The grad scalars of the `multiply` rule: `(g, ca, cb)`, the output's
+    grad scale and each operand's cotangent factor."""
+    g = pow2_mean(*votes([safe_div(ga, sb), safe_div(gb, sa)], calibrated))
+    return g, grad_factor(s, g, sa, ga), grad_factor(s, g, sb, gb)
+
+
 def multiply(x1, x2, *, calibrated=None):
     """Rule: `s = sa·sb`, `d = a·b`; `g = mean(ga/sb, gb/sa)`.
 
@@ -107,8 +119,7 @@ def multiply(x1, x2, *, calibrated=None):
         sx, gx = scalars(x)
         g = _static_gs(gx, k, -1)
         return ScaledTensor(a.data * b.data, s, g)
-    g = pow2_mean(*votes([safe_div(ga, sb), safe_div(gb, sa)], check_calibrated(calibrated, 2)))
-    ca, cb = grad_factor(s, g, sa, ga), grad_factor(s, g, sb, gb)
+    g, ca, cb = _product_grad_scales(sa, ga, sb, gb, s, check_calibrated(calibrated, 2))
     if fused.applies(a.data, b.data, ca, cb):
         return ScaledTensor(fused.scaled_product(a.data, ca, b.data, cb), s, g)
     return ScaledTensor(scale_grad(a.data, ca) * scale_grad(b.data, cb), s, g)

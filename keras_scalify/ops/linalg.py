@@ -13,6 +13,7 @@ import string
 from keras import ops
 
 from keras_scalify.backend.gemm import contraction_gemms
+from keras_scalify.backend.scalar import memoize_scalars
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import has_float32_gemm
 from keras_scalify.core.formats import FP8_DTYPES
@@ -46,17 +47,22 @@ def _others_scale(sc, i):
     return 1.0 if out is None else out
 
 
-def _predictions(operands, sc, k, size_out):
+def _predictions(sizes, sc, k, size_out):
     """Each operand's prediction of the output's grad scale (the inverse
     unit-scaling rule: the one that makes its cotangent unit when the
     output's is), `g_i / (Π_{j≠i} s_j · P(sqrt(n_i)))`, with `n_i` the size
-    its backward GEMM contracts; returns (predictions, n_i)."""
+    its backward GEMM contracts (`sizes`: the operands' static element
+    counts); returns (predictions, n_i)."""
     preds, ns = [], []
-    for i, x in enumerate(operands):
-        n_i = max(size_out * k // max(static_count(x.shape), 1), 1)
+    for i, size in enumerate(sizes):
+        n_i = max(size_out * k // max(size, 1), 1)
         preds.append(safe_div(sc[i][1], _others_scale(sc, i) * static_pow2_sqrt(n_i)))
         ns.append(n_i)
     return preds, ns
+
+
+def _sizes(operands):
+    return tuple(static_count(x.shape) for x in operands)
 
 
 def operand_grad_scale(subscripts, operands, i):
@@ -70,9 +76,34 @@ def operand_grad_scale(subscripts, operands, i):
     k = _parse_einsum(subscripts, [x.shape for x in xs])
     out_shape = _einsum_shape(subscripts, xs)
     sc = [scalars(x) for x in xs]
-    preds, ns = _predictions(xs, sc, k, static_count(out_shape))
+    preds, ns = _predictions(_sizes(xs), sc, k, static_count(out_shape))
     others = pow2_mean(*[p for j, p in enumerate(preds) if j != i])
     return others * _others_scale(sc, i) * static_pow2_sqrt(ns[i])
+
+
+@memoize_scalars
+def _contraction_scales(sc, k, size_out, sizes, calibrated):
+    """The scalars of a contraction's rule: `(scale, grad scale, (c_i),
+    (n_i))`, from its operands' `(scale, grad scale)` pairs `sc`, the
+    contracted size `k`, the output's and operands' static sizes and
+    `calibrated`. `c_i` is operand i's cotangent factor, `n_i` the size its
+    backward GEMM contracts."""
+    scale = sc[0][0]
+    for s_i, _ in sc[1:]:
+        scale = scale * s_i
+    scale = scale * static_pow2_sqrt(k)
+    preds, ns = _predictions(sizes, sc, k, size_out)
+    g = pow2_mean(*_votes(preds, calibrated))
+    cs = tuple(grad_factor(scale, g, s_i, g_i) for s_i, g_i in sc)
+    return scale, g, cs, tuple(ns)
+
+
+@memoize_scalars
+def _gemm_factors(cs, r):
+    """`(1/r, c_a/r, c_b/r)`: the pow2 factors of the forward GEMM and of
+    the two backward ones (`ops/_gemm.py`)."""
+    inv_r = 1.0 / r
+    return (ops.convert_to_tensor(inv_r),) + tuple(c * inv_r for c in cs)
 
 
 def _contract(
@@ -86,22 +117,15 @@ def _contract(
     pow2 factors without passes of their own (`ops/_gemm.py`); the output
     data is in `out_dtype`. Otherwise `fn` is differentiated by the backend
     with `rescale` / `scale_grad` around it (below)."""
-    sc = [scalars(x) for x in operands]
+    sc = tuple(scalars(x) for x in operands)
     r = static_pow2_sqrt(k)
     size_out = static_count(out_shape)
-    scale = sc[0][0]
-    for s_i, _ in sc[1:]:
-        scale = scale * s_i
-    scale = scale * r
-    preds, ns = _predictions(operands, sc, k, size_out)
-    g = pow2_mean(*_votes(preds, calibrated))
+    scale, g, cs, ns = _contraction_scales(sc, k, size_out, _sizes(operands), calibrated)
     if gemms is not None:
-        inv_r = 1.0 / r
-        factors = [ops.convert_to_tensor(inv_r)] + [
-            grad_factor(scale, g, s_i, g_i) * inv_r for s_i, g_i in sc
-        ]
-        a, b = (x.data for x in operands)
-        out = scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized)
+        out = scaled_gemms(
+            gemms, *(x.data for x in operands), _gemm_factors(cs, r), out_shape, out_dtype,
+            quantized,
+        )
         return ScaledTensor(out, scale, g)
     beta = 1.0 / static_pow2_sqrt(ns[0])
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
@@ -114,8 +138,7 @@ def _contract(
     one = 1.0
     inv_r = 1.0 / r
     datas = []
-    for i, ((s_i, g_i), x) in enumerate(zip(sc, operands)):
-        c = grad_factor(scale, g, s_i, g_i)
+    for i, (c, x) in enumerate(zip(cs, operands)):
         if prescale and i == 0:
             datas.append(rescale(x.data, inv_r, c / (r * beta)))
         elif prescale:
