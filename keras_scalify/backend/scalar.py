@@ -16,6 +16,7 @@ follows the tensor's, as in Keras. They are plain torch calls, so
 `torch.compile` traces them too.
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -393,6 +394,17 @@ if TORCH:
     _PLAIN_KEYS = (type(None), bool, int, str)
     _MISS = object()
     _is_inference = torch.is_inference_mode_enabled
+    _MEMO_OFF = []  # non-empty inside `memo_disabled()`
+
+    @contextlib.contextmanager
+    def memo_disabled():
+        """A scope in which `memoize_scalars` functions compute every call
+        (to compare a memoized result with its function's)."""
+        _MEMO_OFF.append(True)
+        try:
+            yield
+        finally:
+            _MEMO_OFF.pop()
 
     def _memo_key(x, tensors):
         """A hashable key of `x`'s value (0-d CPU tensors of float32, int32
@@ -455,7 +467,7 @@ if TORCH:
         cache = {}
 
         def wrapper(*args):
-            if _is_compiling() or _is_inference():
+            if _MEMO_OFF or _is_compiling() or _is_inference():
                 return fn(*args)
             tensors = []
             try:
@@ -597,6 +609,10 @@ else:
         if isinstance(t, keras.Variable):
             t = ops.copy(t)
         return t
+
+    def memo_disabled():
+        """A scope without memoization: there is none here."""
+        return contextlib.nullcontext()
 
     def memoize_scalars(fn):
         """`fn` itself: JAX and TensorFlow trace the step, so its scale

@@ -178,3 +178,118 @@ def test_in_place_ops_match_keras_ops_and_spare_autograd():
     assert x.grad.tolist() == [2.0, 2.0, 2.0]
     with torch.no_grad():
         assert S.clip_in_place(x, 0.0, 0.5) is x and float(x[0]) == 0.5
+
+
+# --- memoize_scalars -----------------------------------------------------------
+
+SCALARS = [0.0, -0.0, 1.0, 0.75, 2.0**-140, 2.0**127, 3e38, np.inf, -np.inf, np.nan]
+
+
+def _memo_helpers():
+    """Memoized scale helpers and how to call them on two float32 scalars."""
+    from keras_scalify.core import pow2
+    from keras_scalify.layers.variable import effective_grad_scale
+    from keras_scalify.ops import _common
+    from keras_scalify.ops.arithmetic import _sum_scales
+
+    return {
+        "pow2_round_down": lambda a, b: pow2.pow2_round_down(a),
+        "pow2_round_up": lambda a, b: pow2.pow2_round_up(b),
+        "pow2_mean": lambda a, b: _common.pow2_mean(a, b),
+        "grad_factor": lambda a, b: _common.grad_factor(a, b, b, a),
+        "votes": lambda a, b: _common.votes([a, b], [S.greater(a, 0.0), True]),
+        "effective_grad_scale": lambda a, b: effective_grad_scale(a, b),
+        "_sum_scales": lambda a, b: _sum_scales(a, b, b, a, None),
+    }
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+@pytest.mark.parametrize("name", sorted(_memo_helpers()))
+def test_memoized_helpers_give_their_function_s_results_bit_for_bit(name):
+    """Every pair of special values, twice (the second call hits the
+    cache on torch): the results of the memoized helper are those of the
+    function it wraps, bits and dtypes."""
+    call = _memo_helpers()[name]
+    for a in SCALARS:
+        for b in SCALARS:
+            ta, tb = f32(np.float32(a)), f32(np.float32(b))
+            first = _flat(call(ta, tb))
+            second = _flat(call(f32(np.float32(a)), f32(np.float32(b))))
+            plain = _flat(_unmemoized(call, ta, tb))
+            assert len(first) == len(second) == len(plain)
+            for x, y, z in zip(first, second, plain):
+                want = np.asarray(to_np(z))
+                for got in (x, y):
+                    got = np.asarray(to_np(got))
+                    assert got.dtype == want.dtype, (name, a, b)
+                    assert got.tobytes() == want.tobytes(), (name, a, b, got, want)
+
+
+def _unmemoized(call, *args):
+    """`call(*args)` with memoization switched off."""
+    with S.memo_disabled():
+        return call(*args)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="memoization is eager torch's")
+def test_memoize_scalars_calls_once_per_value_and_keeps_signed_zeros_apart():
+    import torch
+
+    calls = []
+
+    @S.memoize_scalars
+    def f(x, k, flags):
+        calls.append(1)
+        return [x * k, S.greater(x, 0.0)]
+
+    one = torch.tensor(1.0)
+    out = f(one, 2.0, [True, None])
+    again = f(torch.tensor(1.0), 2.0, [True, None])
+    assert len(calls) == 1
+    assert again[0] is out[0] and again is not out  # a fresh list each call
+    f(one, 3.0, [True, None])
+    f(one, 2.0, [False, None])
+    f(torch.tensor(1, dtype=torch.int32), 2.0, [True, None])  # int 1 is not 1.0
+    assert len(calls) == 4
+    neg = f(torch.tensor(-0.0), 1.0, None)
+    pos = f(torch.tensor(0.0), 1.0, None)
+    assert math.copysign(1.0, neg[0].item()) == -1.0
+    assert math.copysign(1.0, pos[0].item()) == 1.0
+    n = len(calls)
+    f(torch.tensor(float("nan")), 1.0, None)
+    f(torch.tensor(float("nan")), 1.0, None)
+    assert len(calls) == n + 2  # NaN has no key
+    # No tensor, a tensor with a gradient, a non-scalar, inference mode:
+    # computed every time.
+    for args in [
+        (1.0, 2.0, None),
+        (torch.tensor(1.0, requires_grad=True), 2.0, None),
+        (torch.ones(2), 2.0, None),
+    ]:
+        n = len(calls)
+        f(*args)
+        f(*args)
+        assert len(calls) == n + 2
+    n = len(calls)
+    with torch.inference_mode():
+        f(one, 2.0, [True, None])
+    assert len(calls) == n + 1
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="memoization is eager torch's")
+def test_memoized_results_follow_a_variable_written_in_place():
+    """A scale variable's tensor is read by value at every call: after the
+    optimizer writes it (in place), the helper sees the new value."""
+    from keras_scalify.layers.variable import effective_grad_scale
+
+    scale = keras.Variable(2.0, dtype="float32", trainable=False)
+    gs = keras.Variable(0.0, dtype="float32", trainable=False)
+    read = lambda v: S.stop_gradient(S.variable_value(v))  # noqa: E731
+    assert float(effective_grad_scale(read(gs), read(scale))) == 0.5
+    scale.assign(8.0)
+    assert float(effective_grad_scale(read(gs), read(scale))) == 0.125
+    gs.assign(-4.0)
+    assert float(effective_grad_scale(read(gs), read(scale))) == 4.0
