@@ -116,6 +116,24 @@ if TORCH:
             out = _CONSTANTS[key] = torch.tensor(a, dtype=dtype, device=like.device)
         return out
 
+    _FLOAT32_SCALARS = {}
+
+    def float32_scalar(value, like):
+        """Python number `value` as a float32 0-d tensor on the device of
+        tensor `like` (cached on eager torch: converting it per call costs
+        ~10 µs in Keras's `convert_to_tensor`)."""
+        if type(value) in _NUMBERS and type(value) is not bool and isinstance(like, torch.Tensor):
+            if value == value and not _is_compiling():
+                v = float(value)
+                key = (v, math.copysign(1.0, v), like.device)
+                out = _FLOAT32_SCALARS.get(key)
+                if out is None:
+                    if len(_FLOAT32_SCALARS) > 4096:
+                        _FLOAT32_SCALARS.clear()
+                    out = _FLOAT32_SCALARS[key] = torch.tensor(v, dtype=torch.float32, device=like.device)
+                return out
+        return ops.cast(ops.convert_to_tensor(value), "float32")
+
     def _number_or_constant(a, like):
         if type(a) not in _NUMBERS:
             return a
@@ -215,6 +233,7 @@ if TORCH:
     multiply = _fast(torch.multiply, ops.multiply, constants=True)
     add = _fast(torch.add, ops.add, constants=True)
     subtract = _fast(torch.sub, ops.subtract, constants=True)
+    divide = _fast(torch.div, ops.divide, constants=True)
     equal = _fast(torch.eq, ops.equal, constants=True)
     not_equal = _fast(torch.ne, ops.not_equal, constants=True)
     greater = _fast(torch.gt, ops.greater, constants=True)
@@ -512,6 +531,7 @@ else:
     multiply = ops.multiply
     add = ops.add
     subtract = ops.subtract
+    divide = ops.divide
     maximum = ops.maximum
     minimum = ops.minimum
     equal = ops.equal
@@ -536,6 +556,10 @@ else:
     def mean(x):
         """The mean over all elements."""
         return ops.mean(x)
+
+    def float32_scalar(value, like):
+        """Python number `value` as a float32 0-d tensor."""
+        return ops.cast(ops.convert_to_tensor(value), "float32")
 
     def int32_range(start, shape):
         """`start, start + 1, ...` as an int32 tensor of `shape`."""

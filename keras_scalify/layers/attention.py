@@ -9,6 +9,7 @@ from keras.src.layers.attention.multi_head_attention import _build_proj_equation
 from keras.src.layers.attention.multi_head_attention import _get_output_shape
 
 from keras_scalify import ops as sops
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
@@ -28,6 +29,14 @@ _MASK_VALUE = -1e9
 # `_mask_fill`): a tiny scores scale cannot turn the fill into -inf.
 _F32_MAX = 3.0e38
 
+
+@S.memoize_scalars
+def _mask_fill_scalars(scale, grad_scale):
+    """`(data, scale, grad_scale)` of the mask fill value for scores of
+    this scale (`_mask_fill`)."""
+    s = S.where(S.greater(scale, 0.0), scale, S.ones_like(scale))
+    data = S.maximum(S.divide(_MASK_VALUE, s), -_F32_MAX)
+    return data, s, grad_scale
 
 
 def _shape_of(x):
@@ -398,11 +407,8 @@ class ScaledMultiHeadAttention(ScaledLayer):
         """-1e9 represented with the scores' own scale (1 if that is 0), so
         `where(mask, scores, fill)` keeps the scores' scale; float32 data,
         clipped to the float32 range for tiny scales."""
-        s = ops.stop_gradient(ops.convert_to_tensor(scores.scale, "float32"))
-        s = ops.where(ops.greater(s, 0.0), s, ops.ones_like(s))
-        data = ops.maximum(ops.divide(_MASK_VALUE, s), -_F32_MAX)
-        gs = ops.stop_gradient(ops.convert_to_tensor(scores.grad_scale, "float32"))
-        return ScaledTensor(ops.cast(data, "float32"), s, gs)
+        scale, grad_scale = S.stop_gradient(scores.scale), S.stop_gradient(scores.grad_scale)
+        return ScaledTensor(*_mask_fill_scalars(scale, grad_scale))
 
     def _softmax(self, scores):
         """`ksc.ops.softmax` over the normalized (trailing) axes."""

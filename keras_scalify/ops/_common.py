@@ -58,18 +58,22 @@ def _rescale_bwd(x, bwd):
     return S.identity_in_custom_gradient(x), grad
 
 
-def _f32(v):
+def _f32(v, like):
+    """Factor `v` (a scalar tensor or Python number) as a float32 tensor
+    without gradient; a number is placed on the device of `like`."""
+    if is_static_scalar(v) and not isinstance(v, (np.floating, np.integer)):
+        return S.float32_scalar(v, like)
     return S.stop_gradient(pow2.as_dtype(v, "float32"))
 
 
 def rescale(x, fwd, bwd):
     """Forward `x * fwd`, backward `cotangent * bwd` (pow2 float32 scalars)."""
-    return _rescale_fwd_bwd(x, _f32(fwd), _f32(bwd))
+    return _rescale_fwd_bwd(x, _f32(fwd, x), _f32(bwd, x))
 
 
 def scale_grad(x, bwd):
     """Identity forward, `cotangent * bwd` backward."""
-    return _rescale_bwd(x, _f32(bwd))
+    return _rescale_bwd(x, _f32(bwd, x))
 
 
 def safe_div(a, b):

@@ -7,6 +7,7 @@ dtype; cotangents are exact.
 
 from keras import ops
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
@@ -23,11 +24,17 @@ def pointwise(x, fn, s_out, g_out):
     is `fn'·cotangent·g_out/ga` (the convention of docs/design.md).
     """
     sa, ga = scalars(x)
-    u = rescale(ops.cast(x.data, "float32"), sa, safe_div(g_out, ga))
-    v = fn(u)
-    one = ops.ones((), "float32")
-    v = rescale(v, safe_div(one, s_out), one)
-    return ScaledTensor(ops.cast(v, x.dtype), s_out, g_out)
+    one = S.float32_scalar(1.0, x.data)
+    back, inv_out = _pointwise_factors(g_out, ga, s_out, one)
+    u = rescale(pow2.as_dtype(x.data, "float32"), sa, back)
+    v = rescale(fn(u), inv_out, one)
+    return ScaledTensor(pow2.as_dtype(v, x.dtype), s_out, g_out)
+
+
+@S.memoize_scalars
+def _pointwise_factors(g_out, ga, s_out, one):
+    """`(g_out/ga, 1/s_out)`, each 0 where its divisor is (`pointwise`)."""
+    return safe_div(g_out, ga), safe_div(one, s_out)
 
 
 def _plain_or_scaled(x, plain_fn):

@@ -37,8 +37,14 @@ def softmax(x, axis=-1):
         return ops.softmax(x, axis=axis)
     _, ga = scalars(x)
     r = pow2_sqrt(reduced_count(x.data, axis))
-    one = ops.ones((), "float32")
-    return pointwise(x, lambda u: ops.softmax(u, axis=axis), one / r, ga * r)
+    one = S.float32_scalar(1.0, x.data)
+    return pointwise(x, lambda u: ops.softmax(u, axis=axis), *_softmax_scales(one, ga, r))
+
+
+@S.memoize_scalars
+def _softmax_scales(one, ga, r):
+    """`(1/r, ga·r)`: the scale and grad scale of `softmax`'s output."""
+    return one / r, ga * r
 
 
 def log_softmax(x, axis=-1):
@@ -76,6 +82,23 @@ def _normalize(x, axis, epsilon, center):
         epsilon = keras.config.epsilon()
     sa, ga = scalars(x)
     a = pow2.as_dtype(x.data, "float32")
+    inv_q, eps_d, g = _normalize_scalars(sa, ga, float(epsilon))
+    if center and fused.applies(a, inv_q, eps_d):
+        out = fused.normalize(a, _axes(axis), inv_q, eps_d)
+    elif center:
+        mean, var = ops.moments(a, axes=_axes(axis), keepdims=True)
+        inv = ops.rsqrt((var * inv_q) * inv_q + eps_d)
+        out = a * inv + (-mean * inv)
+    else:
+        ms = ops.mean(ops.square(a), axis=axis, keepdims=True)
+        out = a * ops.rsqrt((ms * inv_q) * inv_q + eps_d)
+    return ScaledTensor(pow2.as_dtype(out, x.dtype), inv_q, g)
+
+
+@S.memoize_scalars
+def _normalize_scalars(sa, ga, epsilon):
+    """`(1/q, eps term, grad scale)` of the normalization rule for input
+    scales `(sa, ga)`, as explained below."""
     # (X - E X)/sqrt(Var X + eps) == (a - E a)/sqrt(Var a + eps/sa²), with
     # eps/sa² computed as (eps/sa)/sa (sa² underflows float32 below 2^-63).
     # When eps dominates (sa < sqrt(eps)), eps/sa² may overflow: the factor
@@ -89,18 +112,9 @@ def _normalize(x, axis, epsilon, center):
     inv = 1.0 / (sa * q)
     eps_d = S.maximum((epsilon * inv) * inv, 2.0**-126)
     inv_q = 1.0 / q
-    if center and fused.applies(a, inv_q, eps_d):
-        out = fused.normalize(a, _axes(axis), inv_q, eps_d)
-    elif center:
-        mean, var = ops.moments(a, axes=_axes(axis), keepdims=True)
-        inv = ops.rsqrt((var * inv_q) * inv_q + eps_d)
-        out = a * inv + (-mean * inv)
-    else:
-        ms = ops.mean(ops.square(a), axis=axis, keepdims=True)
-        out = a * ops.rsqrt((ms * inv_q) * inv_q + eps_d)
     # Backward: dX ~ dY/σ with σ ≈ sa·q (unit data) → g = ga·sa·q; the data
     # cotangent is then plain autodiff (c = (g/q)/(ga·sa) = 1).
-    return ScaledTensor(ops.cast(out, x.dtype), inv_q, ga * sa * q)
+    return inv_q, eps_d, ga * sa * q
 
 
 def _axes(axis):

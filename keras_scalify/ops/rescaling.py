@@ -168,9 +168,17 @@ def with_grad_scale(x, grad_scale):
             f"{type(grad_scale).__name__} {grad_scale!r:.80}."
         )
     _, ga = scalars(x)
-    g = stop(ops.convert_to_tensor(grad_scale, "float32"))
-    g = ops.where(ops.greater(g, 0.0), g, ga)
-    return ScaledTensor(scale_grad(x.data, safe_div(g, ga)), x.scale, g)
+    g = stop(pow2.as_dtype(grad_scale, "float32"))
+    g, factor = _chosen_grad_scale(g, ga)
+    return ScaledTensor(scale_grad(x.data, factor), x.scale, g)
+
+
+@S.memoize_scalars
+def _chosen_grad_scale(g, ga):
+    """`(g if g > 0 else ga, that / ga)`: a grad scale and the factor that
+    re-expresses a cotangent from it in `ga` units."""
+    g = S.where(S.greater(g, 0.0), g, ga)
+    return g, safe_div(g, ga)
 
 
 def _delayed_fn(statistic):
@@ -179,11 +187,10 @@ def _delayed_fn(statistic):
         def grad(*args, upstream=None, variables=None):
             g = args[0] if upstream is None else upstream
             # Re-express the cotangent in the input's grad scale.
-            factor = ops.where(ops.equal(g_in, 0), ops.zeros_like(g_in), g_out / g_in)
-            g_data = _mul_pow2(g, factor)
+            g_data = _mul_pow2(g, safe_div(g_out, g_in))
             return g_data, next_grad_scale(g, g_out, statistic), None, None
 
-        return ops.multiply(data, ops.ones((), data.dtype)), grad
+        return S.identity_in_custom_gradient(data), grad
 
     return fn
 
@@ -205,13 +212,22 @@ def delayed_rescale_grad(x, state, statistic="l2"):
         )
     x = promote(x, None, "x")
     sa, ga = scalars(x)
-    state = ops.convert_to_tensor(state, "float32")
-    # A power of two even when the layer ran twice in a step (autodiff then
-    # summed two next grad scales into the state).
-    s_state = pow2.pow2_round_down(stop(state))
-    g_out = ops.where(ops.greater(s_state, 0.0), s_state, ga)
-    data = _delayed_fn(statistic)(x.data, state, ga, g_out)
+    state = pow2.as_dtype(state, "float32")
+    g_out = _delayed_grad_scale(stop(state), ga)
+    data = _DELAYED_FNS[statistic](x.data, state, ga, g_out)
     return ScaledTensor(data, x.scale, g_out)
+
+
+@S.memoize_scalars
+def _delayed_grad_scale(state, ga):
+    """`P(state)` where > 0, else `ga`. (`P`: a power of two even when the
+    layer ran twice in a step and autodiff summed two next grad scales
+    into the state.)"""
+    s_state = pow2.pow2_round_down(state)
+    return S.where(S.greater(s_state, 0.0), s_state, ga)
+
+
+_DELAYED_FNS = {statistic: _delayed_fn(statistic) for statistic in STATISTICS}
 
 
 def dynamic_rescale_l1_grad(x, state):
