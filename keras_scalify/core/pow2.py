@@ -18,7 +18,6 @@ power of two, which is always >= 0):
 
 import math
 
-import numpy as np
 from keras import ops
 
 from keras_scalify.backend import scalar as S

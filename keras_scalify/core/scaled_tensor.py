@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 from keras import ops
-from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import dtype_name
@@ -61,6 +60,8 @@ class ScaledTensor(
         raise TypeError("A ScaledTensor is not a tf.Tensor. " + _PLAIN_OP_HINT)
 
     def __new__(cls, data, scale, grad_scale=None):
+        if S.valid_scaled_fields(data, scale, grad_scale):
+            return tuple.__new__(cls, (data, scale, grad_scale))
         if _is_number(scale) or _is_number(grad_scale):
             # A real scale: the data must be a float tensor or number. (Other
             # contents, e.g. ScaledTensor(None, None, None) or of shapes, are

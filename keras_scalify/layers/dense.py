@@ -1,11 +1,11 @@
 """ScaledDense: `keras.layers.Dense` on ScaledTensors."""
 
 import keras
-from keras import ops
 
 from keras_scalify.backend.scalar import dtype_name
 from keras_scalify import ops as sops
 from keras_scalify.backend import fp8
+from keras_scalify.backend import scalar as S
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.activation import activation_name
@@ -35,7 +35,7 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
     prediction alone (see `ScaledMultiHeadAttention`)."""
     cal = None if calibrated is None else (None, calibrated)
     if calibrated is not None and not getattr(layer, "_input_votes_when_calibrated", True):
-        cal = (ops.logical_not(calibrated), calibrated)
+        cal = (S.logical_not(calibrated), calibrated)
     mm = layer.policy_dtype("matmul_dtype")
     gd = layer.policy_dtype("grad_dtype")
     if dtype_name(mm) in FP8_DTYPES:
