@@ -18,6 +18,7 @@ needs a GEMM with a float32 output for the operands' dtype:
 """
 
 import collections
+import functools
 
 import keras
 from keras import ops
@@ -41,6 +42,7 @@ in the forward (and kept rounded for the backward) and `g` once in the
 backward, instead of once per GEMM."""
 
 
+@functools.lru_cache(maxsize=1024)
 def grad_equations(equation, kind="scaled"):
     """`(equation of grad_a, equation of grad_b)` for a two-operand
     `equation` with explicit output, e.g. "ak,kn->an" gives ("an,kn->ak",
@@ -128,6 +130,7 @@ def einsum_f32(equation, a, b):
     return as_dtype(out, "float32")
 
 
+@functools.lru_cache(maxsize=1024)
 def _matrix_product(equation):
     """`(transpose a, transpose b)` when `equation` is a product of two
     matrices ("mk,kn->mn" and its transposed forms), else None."""
@@ -145,6 +148,7 @@ def _matrix_product(equation):
 MATMUL_2D = "mk,kn->mn"
 
 
+@functools.lru_cache(maxsize=1024)
 def as_matmul(equation):
     """For an einsum that is a matrix product in disguise, `lead..K..,
     K..W..->lead..W..` (the contracted indices K last in `a`, first in `b`,
@@ -204,6 +208,7 @@ def flattened(gemms_2d, nk):
     return Gemms(forward, grad_a, grad_b, gemms_2d.quantize)
 
 
+@functools.lru_cache(maxsize=1024)
 def contraction_gemms(equation, b_shape):
     """`Gemms` of `einsum_f32` for a two-operand `equation`, as 2-D GEMMs
     (`flattened`) when it is `as_matmul` on operands of more than 2 dims

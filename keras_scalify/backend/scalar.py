@@ -451,7 +451,7 @@ if TORCH:
         or bool without a gradient, Python scalars, None, strings, and
         lists or tuples of those; a tensor's value read with `item()`,
         which on a CPU is a memory read), or `_MISS`. Each tensor found is
-        counted in `tensors`. NaN has no key (it equals nothing); -0.0 has
+        appended to `tensors`. NaN has no key (it equals nothing); -0.0 has
         its own."""
         t = type(x)
         if t is _TENSOR or t is _PARAMETER:
@@ -459,7 +459,7 @@ if TORCH:
             if code is None or x.dim() != 0 or not x.is_cpu or x.requires_grad:
                 return _MISS
             v = x.item()
-            tensors.append(code)
+            tensors.append(x)
         elif t is float:
             code, v = "p", x
         elif t in _PLAIN_KEYS:
@@ -478,14 +478,16 @@ if TORCH:
             return (code, v, math.copysign(1.0, v))
         return (code, v)
 
-    def _memo_value(out):
+    def _memo_value(out, inputs):
         """Whether `out` may be returned again: 0-d tensors without a
-        gradient, Python scalars, None, and tuples or lists of those."""
+        gradient that are not one of the `inputs` (a variable's own
+        tensor would change under the cache when the variable is
+        written), Python scalars, None, and tuples or lists of those."""
         t = type(out)
         if t is _TENSOR:
-            return out.dim() == 0 and not out.requires_grad
+            return out.dim() == 0 and not out.requires_grad and not any(out is x for x in inputs)
         if t is list or t is tuple:
-            return all(_memo_value(e) for e in out)
+            return all(_memo_value(e, inputs) for e in out)
         return t in _PLAIN_KEYS or t is float
 
     def memoize_scalars(fn):
@@ -520,7 +522,7 @@ if TORCH:
                 out = cache[key]
             except KeyError:
                 out = fn(*args)
-                if not _memo_value(out):
+                if not _memo_value(out, tensors):
                     return out
                 if len(cache) >= 4096:
                     cache.clear()

@@ -8,6 +8,7 @@ backward of operand i contracts `n_i = size(out)·K/size(i)` elements, so
 grad scale was measured (`calibrated=`; a weight's guess does not vote).
 """
 
+import functools
 import string
 
 from keras import ops
@@ -244,7 +245,13 @@ def _einsum_shape(subscripts, xs):
 
 
 def _parse_einsum(subscripts, shapes):
-    """Letters and sizes: returns (K, output letters)."""
+    """The contracted size K of `einsum(subscripts)` on operands of these
+    shapes (memoized by the static shapes)."""
+    return _contracted_size(subscripts, tuple(tuple(static_dim(d) for d in s) for s in shapes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _contracted_size(subscripts, shapes):
     subs = subscripts.replace(" ", "")
     if "->" in subs:
         ins, out = subs.split("->")
@@ -356,7 +363,12 @@ def _weight_equation(a, b):
 def _two_operand_equation(subscripts, xs):
     """`subscripts` when the GEMMs of `ops/_gemm.py` can run it: explicit
     output, no ellipsis, every index in the other operand or the output,
-    no broadcasting of size-1 dims."""
+    no broadcasting of size-1 dims (memoized by the static shapes)."""
+    return _gemm_equation(subscripts, tuple(tuple(static_dim(d) for d in x.shape) for x in xs))
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_equation(subscripts, shapes):
     subs = subscripts.replace(" ", "")
     if "->" not in subs or "." in subs:
         return None
@@ -365,10 +377,10 @@ def _two_operand_equation(subscripts, xs):
     except ValueError:
         return None
     sizes = {}
-    for term, x in zip(subs.split("->")[0].split(","), xs):
-        if len(term) != len(x.shape):
+    for term, shape in zip(subs.split("->")[0].split(","), shapes):
+        if len(term) != len(shape):
             return None
-        for c, d in zip(term, x.shape):
+        for c, d in zip(term, shape):
             if sizes.setdefault(c, d) != d:
                 return None
     return subs

@@ -280,6 +280,24 @@ def test_memoize_scalars_calls_once_per_value_and_keeps_signed_zeros_apart():
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="memoization is eager torch's")
+def test_memoize_scalars_does_not_keep_an_input_it_returns():
+    """A result that is one of the arguments (e.g. a variable's own
+    tensor, written in place later) is returned, not cached."""
+    import torch
+
+    @S.memoize_scalars
+    def first(x, y):
+        return x, y * 2.0
+
+    storage = torch.tensor(1.0)
+    out = first(storage, torch.tensor(3.0))
+    assert out[0] is storage
+    storage.fill_(7.0)  # as an optimizer writes a variable
+    again = first(torch.tensor(1.0), torch.tensor(3.0))
+    assert again[0].item() == 1.0
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="memoization is eager torch's")
 def test_memoized_results_follow_a_variable_written_in_place():
     """A scale variable's tensor is read by value at every call: after the
     optimizer writes it (in place), the helper sees the new value."""
