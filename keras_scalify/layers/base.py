@@ -169,9 +169,16 @@ class ScaledLayer(keras.layers.Layer):
                     f"ndim={len(x.shape)} (`inputs` of shape {tuple(x.shape)})."
                 )
         kwargs = {k: _repack_scaled(v) for k, v in kwargs.items()}
-        if self.built and self.input_spec is None and not _symbolic_or_compiling(args, kwargs):
+        if (
+            self.built
+            and self.input_spec is None
+            and "call" not in self.__dict__
+            and not _symbolic_or_compiling(args, kwargs)
+        ):
             # Eager: each ScaledTensor passes Keras's `Layer.__call__` as
-            # one opaque leaf, unwrapped by `call` (`__init_subclass__`).
+            # one opaque leaf, unwrapped by the class's `call`
+            # (`__init_subclass__`; a `call` set on the instance, as
+            # `debug` and `scalify`'s regions do, gets them as they are).
             # Keras walks the arguments ~6 times per call (conversion,
             # CallSpec, masks, symbolic checks), and its torch tree rebuilds
             # a named tuple at each walk (~15 µs per ScaledTensor, against
