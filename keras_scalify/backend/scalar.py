@@ -667,5 +667,8 @@ else:
 
     def memoize_scalars(fn):
         """`fn` itself: JAX and TensorFlow trace the step, so its scale
-        arithmetic costs nothing per call."""
+        arithmetic runs once per trace, not per step. (Running each such
+        function as one XLA call on TensorFlow, whose CPU steps Keras runs
+        without XLA, measured no faster: 1.25-1.27x against 1.22-1.24x
+        on the GPT.)"""
         return fn

@@ -362,11 +362,13 @@ class _Leaf:
 
 
 def _as_leaf(x):
-    """A ScaledTensor argument (or list or tuple of them) as `_Leaf`s."""
+    """A ScaledTensor argument (or a list or tuple of nothing but
+    ScaledTensors) as `_Leaf`s. (Keras refuses a list that mixes tensors
+    and other values: a list with plain tensors is left as it is.)"""
     if is_scaled(x):
         return _Leaf(x)
-    if type(x) in (list, tuple) and any(is_scaled(v) for v in x):
-        return type(x)(_Leaf(v) if is_scaled(v) else v for v in x)
+    if type(x) in (list, tuple) and x and all(is_scaled(v) for v in x):
+        return type(x)(_Leaf(v) for v in x)
     return x
 
 

@@ -54,12 +54,17 @@ def _predictions(sizes, sc, k, size_out):
     output's is), `g_i / (Π_{j≠i} s_j · P(sqrt(n_i)))`, with `n_i` the size
     its backward GEMM contracts (`sizes`: the operands' static element
     counts); returns (predictions, n_i)."""
-    preds, ns = [], []
-    for i, size in enumerate(sizes):
-        n_i = max(size_out * k // max(size, 1), 1)
-        preds.append(safe_div(sc[i][1], _others_scale(sc, i) * static_pow2_sqrt(n_i)))
-        ns.append(n_i)
+    ns = _backward_sizes(sizes, k, size_out)
+    preds = [
+        safe_div(sc[i][1], _others_scale(sc, i) * static_pow2_sqrt(n_i))
+        for i, n_i in enumerate(ns)
+    ]
     return preds, ns
+
+
+def _backward_sizes(sizes, k, size_out):
+    """`n_i`: the size the backward GEMM of operand i contracts."""
+    return [max(size_out * k // max(size, 1), 1) for size in sizes]
 
 
 def _sizes(operands):
@@ -84,19 +89,18 @@ def operand_grad_scale(subscripts, operands, i):
 
 @memoize_scalars
 def _contraction_scales(sc, k, size_out, sizes, calibrated):
-    """The scalars of a contraction's rule: `(scale, grad scale, (c_i),
-    (n_i))`, from its operands' `(scale, grad scale)` pairs `sc`, the
-    contracted size `k`, the output's and operands' static sizes and
-    `calibrated`. `c_i` is operand i's cotangent factor, `n_i` the size its
-    backward GEMM contracts."""
+    """The scalars of a contraction's rule: `(scale, grad scale, (c_i))`,
+    from its operands' `(scale, grad scale)` pairs `sc`, the contracted
+    size `k`, the output's and operands' static sizes and `calibrated`.
+    `c_i` is operand i's cotangent factor."""
     scale = sc[0][0]
     for s_i, _ in sc[1:]:
         scale = scale * s_i
     scale = scale * static_pow2_sqrt(k)
-    preds, ns = _predictions(sizes, sc, k, size_out)
+    preds, _ = _predictions(sizes, sc, k, size_out)
     g = pow2_mean(*_votes(preds, calibrated))
     cs = tuple(grad_factor(scale, g, s_i, g_i) for s_i, g_i in sc)
-    return scale, g, cs, tuple(ns)
+    return scale, g, cs
 
 
 @memoize_scalars
@@ -121,14 +125,15 @@ def _contract(
     sc = tuple(scalars(x) for x in operands)
     r = static_pow2_sqrt(k)
     size_out = static_count(out_shape)
-    scale, g, cs, ns = _contraction_scales(sc, k, size_out, _sizes(operands), calibrated)
+    sizes = _sizes(operands)
+    scale, g, cs = _contraction_scales(sc, k, size_out, sizes, calibrated)
     if gemms is not None:
         out = scaled_gemms(
             gemms, *(x.data for x in operands), _gemm_factors(cs, r), out_shape, out_dtype,
             quantized,
         )
         return ScaledTensor(out, scale, g)
-    beta = 1.0 / static_pow2_sqrt(ns[0])
+    beta = 1.0 / static_pow2_sqrt(_backward_sizes(sizes, k, size_out)[0])
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
     # product of correlated data cannot overflow before the rescale. Other
     # dtypes rescale the float32-range output. Backward, the output
