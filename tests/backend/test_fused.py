@@ -106,3 +106,44 @@ def test_binary_rules_match_plain_keras(name, scaled_fn, plain_fn, shapes, scale
     for g, w in zip(grads, want_grads):
         assert tuple(g.shape) == tuple(w.shape)
         np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-5, atol=1e-6)
+
+
+# --- normalize (layer_normalization's rule) -------------------------------------
+
+def _layer_norm_grad64(x, g, axes, eps):
+    """float64 values and input gradient of `(x - E x)/sqrt(Var x + eps)`
+    over `axes`, for the upstream `g`."""
+    x, g = x.astype(np.float64), g.astype(np.float64)
+    mean = x.mean(axis=axes, keepdims=True)
+    c = x - mean
+    rstd = 1.0 / np.sqrt((c * c).mean(axis=axes, keepdims=True) + eps)
+    xhat = c * rstd
+    gx = rstd * (g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    return xhat, gx
+
+
+@pytest.mark.parametrize("axes", [[-1], [1, 2], [1]], ids=["last", "last_two", "middle"])
+@pytest.mark.parametrize(
+    "s", [2.0**-30, 2.0**-12, 1.0, 2.0**40], ids=lambda s: f"2^{int(math.log2(s))}"
+)
+def test_layer_normalization_values_and_gradient_match_float64(axes, s):
+    """Through the fused torch node (trailing axes) or the composition:
+    values and input gradients of `ksc.ops.layer_normalization` equal the
+    float64 layer norm of the represented values, at input scales where
+    the eps term is rescaled (`q > 1`: 2^-30, 2^-12) and where it is not,
+    on rows with a large mean."""
+    eps = 1e-3
+    rng = np.random.default_rng(1)
+    data = (rng.standard_normal((3, 5, 8)) + 20.0 * rng.standard_normal((3, 5, 1))).astype("float32")
+    upstream = rng.standard_normal(data.shape).astype("float32")
+    want, want_grad = _layer_norm_grad64(data * np.float64(s), upstream, tuple(axes), eps)
+    up = ops.convert_to_tensor(upstream)
+
+    def normalized(d):
+        y = ksc.ops.layer_normalization(ksc.as_scaled(d, np.float32(s)), axis=axes, epsilon=eps)
+        return ksc.to_array(y)
+
+    _, (grad,) = value_and_grad(lambda d: ops.sum(normalized(d) * up))(ops.convert_to_tensor(data))
+    np.testing.assert_allclose(to_np(normalized(ops.convert_to_tensor(data))), want, rtol=1e-4, atol=1e-4)
+    # d/d(data) = s · d/dx
+    np.testing.assert_allclose(to_np(grad), want_grad * s, rtol=1e-3, atol=1e-3 * s * np.abs(want_grad).max())
