@@ -18,6 +18,7 @@ follows the tensor's, as in Keras. They are plain torch calls, so
 
 import contextlib
 import math
+import weakref
 
 import numpy as np
 
@@ -478,17 +479,31 @@ if TORCH:
             return (code, v, math.copysign(1.0, v))
         return (code, v)
 
+    # The tensors some memo keeps (never written in place).
+    _MEMO_TENSORS = weakref.WeakSet()
+
     def _memo_value(out, inputs):
         """Whether `out` may be returned again: 0-d tensors without a
-        gradient that are not one of the `inputs` (a variable's own
-        tensor would change under the cache when the variable is
-        written), Python scalars, None, and tuples or lists of those."""
+        gradient, none of them one of the `inputs` unless a memo keeps it
+        already (a variable's own tensor would change under the cache when
+        the variable is written), Python scalars, None, and tuples or
+        lists of those."""
         t = type(out)
         if t is _TENSOR:
-            return out.dim() == 0 and not out.requires_grad and not any(out is x for x in inputs)
+            if out.dim() != 0 or out.requires_grad:
+                return False
+            return not any(out is x for x in inputs) or out in _MEMO_TENSORS
         if t is list or t is tuple:
             return all(_memo_value(e, inputs) for e in out)
         return t in _PLAIN_KEYS or t is float
+
+    def _keep(out):
+        """Record the tensors of a memoized result (`_MEMO_TENSORS`)."""
+        if type(out) is _TENSOR:
+            _MEMO_TENSORS.add(out)
+        elif type(out) is list or type(out) is tuple:
+            for e in out:
+                _keep(e)
 
     def memoize_scalars(fn):
         """`fn`, a pure function of scalars (scale arithmetic), with its
@@ -527,6 +542,7 @@ if TORCH:
                 if len(cache) >= 4096:
                     cache.clear()
                 cache[key] = out
+                _keep(out)
             return list(out) if type(out) is list else out
 
         wrapper.__name__ = fn.__name__

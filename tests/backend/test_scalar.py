@@ -295,6 +295,21 @@ def test_memoize_scalars_does_not_keep_an_input_it_returns():
     storage.fill_(7.0)  # as an optimizer writes a variable
     again = first(torch.tensor(1.0), torch.tensor(3.0))
     assert again[0].item() == 1.0
+    # An argument that a memo keeps (never written) may be kept again.
+    calls = []
+
+    @S.memoize_scalars
+    def double(x):
+        return x * 2.0
+
+    @S.memoize_scalars
+    def same(x):
+        calls.append(1)
+        return x
+
+    kept = double(torch.tensor(1.0))
+    assert same(kept) is kept and same(torch.tensor(2.0)) is kept
+    assert len(calls) == 1
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="memoization is eager torch's")
