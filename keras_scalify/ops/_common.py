@@ -61,7 +61,7 @@ def _rescale_bwd(x, bwd):
 def _f32(v, like):
     """Factor `v` (a scalar tensor or Python number) as a float32 tensor
     without gradient; a number is placed on the device of `like`."""
-    if is_static_scalar(v) and not isinstance(v, (np.floating, np.integer)):
+    if is_static_scalar(v):
         return S.float32_scalar(v, like)
     return S.stop_gradient(pow2.as_dtype(v, "float32"))
 

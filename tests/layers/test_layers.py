@@ -529,3 +529,33 @@ def test_fp8_sequential_trains_with_fit(policy):
     assert np.all(np.isfinite(pred))
     for v in model.weights:
         assert np.all(np.isfinite(to_np(v))), v.path
+
+
+def test_eager_calls_pass_scaled_tensors_through_keras_as_single_values(monkeypatch):
+    """An eager call of a built scaled layer hands Keras's `Layer.__call__`
+    its ScaledTensor arguments (alone or in a list of them) as opaque
+    values, so Keras's tree walks never rebuild one; `call` gets them back
+    and the outputs are those of `call` itself."""
+    from keras.src import tree
+
+    from keras_scalify.layers.base import contains_scaled
+
+    rng = np.random.default_rng(0)
+    x = ksc.as_scaled(ops.convert_to_tensor(rng.standard_normal((2, 3)).astype("float32")), 4.0)
+    dense, add = ScaledDense(5), ScaledAdd()
+    dense(x), add([x, x])  # built
+    want = [dense.call(x), add.call([x, x])]
+    walked = []
+    original = tree.flatten
+
+    def flatten(structure):
+        walked.append(contains_scaled(structure))
+        return original(structure)
+
+    monkeypatch.setattr(tree, "flatten", flatten)
+    got = [dense(x), add([x, x])]
+    assert walked and not any(walked)
+    for g, w in zip(got, want):
+        assert ksc.is_scaled(g)
+        for a, b in zip(g, w):
+            np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
