@@ -47,6 +47,7 @@ import math
 
 from keras import ops
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import TORCH
 
 KINDS = ("gelu", "gelu_tanh", "silu")
@@ -86,15 +87,22 @@ if TORCH:
         `1 + erf` cancels; torch's erf-family kernels cost ~10 multiplies
         each on CPU, so the pass count matters less than their number)."""
         if kind == "gelu":
-            w = torch.special.erfc(a * (s * (-1.0 / math.sqrt(2.0))))
+            w = torch.mul(a, s * (-1.0 / math.sqrt(2.0))).erfc_()
             return w.mul_(a).mul_(0.5)
         if kind == "silu":
             return torch.sigmoid(a * s).mul_(a)
         return a * gate(a * s, kind)
 
-    def _derivative(grad, u, kind):
+    def _derivative(grad, a, s, kind):
+        """`grad·f'(a·s)`. `a·s` is clipped where it may overflow (`s`
+        above 1, or not known on the host): an infinite `u` would give
+        `inf·0 = NaN`. (With `|s| <= 1` only an infinite `a` gives an
+        infinite `u`, and its NaN derivative propagates the fault.)"""
         c = _SATURATED[kind]
-        u = torch.clamp(u, -c, c)
+        scale = S.host_value(s)
+        u = a if scale == 1.0 else a * s
+        if scale is None or not abs(scale) <= 1.0:
+            u = torch.clamp(u, -c, c) if u is a else u.clamp_(-c, c)
         if kind == "silu":
             return torch.ops.aten.silu_backward(grad, u)
         approximate = "tanh" if kind == "gelu_tanh" else "none"
@@ -110,7 +118,7 @@ if TORCH:
         @staticmethod
         def backward(ctx, grad):
             a, s = ctx.saved_tensors
-            return _derivative(grad, a * s, ctx.kind), None, None
+            return _derivative(grad, a, s, ctx.kind), None, None
 
     def gated(a, s, kind):
         """`a·gate(a·s)` (module docstring); `s` gets no gradient."""
@@ -129,9 +137,12 @@ if TORCH:
             ctx.shapes = (a.shape, b.shape)
             ctx.save_for_backward(ba, bb)
             ctx.sign = sign
+            # (A factor of exactly 1 is not applied: no pass of its own.)
             if b.numel() <= a.numel():
+                if sign > 0 and S.is_one(fb):
+                    return torch.addcmul(b, a, fa)
                 return torch.addcmul(b * (fb if sign > 0 else -fb), a, fa)
-            return torch.addcmul(a * fa, b, fb, value=sign)
+            return torch.addcmul(a if S.is_one(fa) else a * fa, b, fb, value=sign)
 
         @staticmethod
         def backward(ctx, g):
@@ -139,9 +150,11 @@ if TORCH:
             shape_a, shape_b = ctx.shapes
             ga = gb = None
             if ctx.needs_input_grad[0]:
-                ga = _sum_to(g * ba, shape_a)
+                ga = _sum_to(g if S.is_one(ba) else g * ba, shape_a)
             if ctx.needs_input_grad[3]:
-                gb = _sum_to(g, shape_b) * (bb if ctx.sign > 0 else -bb)
+                gb = _sum_to(g, shape_b)
+                if ctx.sign < 0 or not S.is_one(bb):
+                    gb = gb * (bb if ctx.sign > 0 else -bb)
             return ga, None, None, gb, None, None, None
 
     class _ScaledProduct(torch.autograd.Function):
@@ -197,7 +210,8 @@ if TORCH:
             c, inv_q, r = ctx.saved_tensors
             shape = list(c.shape[c.ndim - ctx.n:])
             ga, _, _ = torch.ops.aten.native_layer_norm_backward(
-                g, c * inv_q, shape, torch.zeros_like(r), r, None, None, [True, False, False]
+                g, c if S.is_one(inv_q) else c * inv_q, shape, torch.zeros_like(r), r, None, None,
+                [True, False, False]
             )
             return ga, None, None, None
 

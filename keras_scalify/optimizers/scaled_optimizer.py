@@ -336,13 +336,13 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         overflow of the norm). The scalar bookkeeping runs once on the
         vector of all weights (a few ops per step instead of ~40 per
         weight)."""
-        scales = ops.stack([scale for _, _, scale, _ in measured])
-        stored = ops.stack([read_tensor(sv.grad_scale) for _, sv, _, _ in measured])
+        scales = S.stack([scale for _, _, scale, _ in measured])
+        stored = S.stack([read_tensor(sv.grad_scale) for _, sv, _, _ in measured])
         gs = effective_grad_scale(stored, scales)
         # Each gradient cast to float32 once, for its statistic and its
         # decode (a narrower one's copy is then scaled in place).
         as_float32 = [S.cast(g, "float32") for _, _, _, g in measured]
-        stats = ops.stack([data_statistic(g, "l2") for g in as_float32])
+        stats = S.stack([data_statistic(g, "l2") for g in as_float32])
         # A float32 gradient cannot underflow to all zeros.
         underflows = [
             dtype_name(g.dtype) != "float32" for _, _, _, g in measured
@@ -356,8 +356,8 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         # gradient): it then no longer votes for the grad scales of its
         # layer's outputs (`votes`).
         ok = S.logical_and(S.isfinite(stats), S.greater(stats, 0.0))
-        new_gs = ops.unstack(S.where(ok, new_gs, -new_gs))
-        gs_each = ops.unstack(gs)
+        new_gs = S.unstack(S.where(ok, new_gs, -new_gs))
+        gs_each = S.unstack(gs)
         for (i, sv, _, g), g32, new, g_scale in zip(measured, as_float32, new_gs, gs_each):
             always.append((sv.grad_scale, new))
             # `multiply`, not `*`: on TensorFlow an Embedding's

@@ -41,7 +41,7 @@ def rescale_factors(datas, rescale):
     `cond` for all weights."""
 
     def measure():
-        return valid_pow2(ops.stack([rms(d) for d in datas]))
+        return valid_pow2(S.stack([rms(d) for d in datas]))
 
     def ones():
         return ops.ones((len(datas),), "float32")
@@ -52,7 +52,7 @@ def rescale_factors(datas, rescale):
         factors = measure() if rescale else ones()
     else:
         factors = backend_optimizer.cond(rescale, measure, ones)
-    return ops.unstack(factors)
+    return S.unstack(factors)
 
 
 def encode_weights(values, scales, dtypes, keys, owned=False):

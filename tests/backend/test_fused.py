@@ -77,10 +77,15 @@ BINARY = [
 # (shape of x1, shape of x2): same shape, x2 broadcast (a bias), x1 broadcast.
 SHAPES = [((4, 6), (4, 6)), ((3, 4, 6), (6,)), ((6,), (3, 4, 6))]
 # (scale, grad scale) of each operand.
-OPERAND_SCALES = [((2.0**-20, 2.0**6), (2.0**8, 2.0**-3)), ((1.0, 1.0), (2.0**-4, 2.0**9))]
+# "unit": every factor of the rule is 1, which the torch node does not apply.
+OPERAND_SCALES = [
+    ((2.0**-20, 2.0**6), (2.0**8, 2.0**-3)),
+    ((1.0, 1.0), (2.0**-4, 2.0**9)),
+    ((1.0, 1.0), (1.0, 1.0)),
+]
 
 
-@pytest.mark.parametrize("scales", OPERAND_SCALES, ids=["far", "near"])
+@pytest.mark.parametrize("scales", OPERAND_SCALES, ids=["far", "near", "unit"])
 @pytest.mark.parametrize("shapes", SHAPES, ids=["same", "x2_broadcast", "x1_broadcast"])
 @pytest.mark.parametrize("name,scaled_fn,plain_fn", BINARY, ids=[b[0] for b in BINARY])
 def test_binary_rules_match_plain_keras(name, scaled_fn, plain_fn, shapes, scales):

@@ -326,3 +326,21 @@ def test_memoized_results_follow_a_variable_written_in_place():
     assert float(effective_grad_scale(read(gs), read(scale))) == 0.125
     gs.assign(-4.0)
     assert float(effective_grad_scale(read(gs), read(scale))) == 4.0
+
+
+def test_host_value_reads_only_what_the_host_has_for_free():
+    """Python numbers everywhere; on eager torch a 0-d CPU tensor without
+    gradient too; never a tensor of a traced backend, a non-scalar or a
+    tensor that needs a gradient. `is_one` is exact."""
+    assert S.host_value(2) == 2.0 and S.host_value(0.5) == 0.5
+    assert S.is_one(1) and S.is_one(1.0) and not S.is_one(1.0 + 2.0**-23)
+    on_torch = keras.backend.backend() == "torch"
+    one = ops.convert_to_tensor(np.float32(1.0))
+    assert S.is_one(one) is on_torch
+    assert S.host_value(ops.convert_to_tensor(np.float32(-0.25))) == (-0.25 if on_torch else None)
+    assert S.host_value(ops.ones((1,))) is None
+    assert not S.is_one(ops.convert_to_tensor(np.float32(np.nan)))
+    if on_torch:
+        import torch
+
+        assert S.host_value(torch.tensor(1.0, requires_grad=True)) is None
