@@ -90,7 +90,7 @@ if TORCH:
             w = torch.mul(a, s * (-1.0 / math.sqrt(2.0))).erfc_()
             return w.mul_(a).mul_(0.5)
         if kind == "silu":
-            return torch.sigmoid(a * s).mul_(a)
+            return torch.mul(a, s).sigmoid_().mul_(a)
         return a * gate(a * s, kind)
 
     def _derivative(grad, a, s, kind):
@@ -103,10 +103,15 @@ if TORCH:
         u = a if scale == 1.0 else a * s
         if scale is None or not abs(scale) <= 1.0:
             u = torch.clamp(u, -c, c) if u is a else u.clamp_(-c, c)
+        # Written into `u` where it is this call's own temporary (a fresh
+        # weight-sized output costs more than the pass, memory being cold).
+        out = {} if u is a else {"grad_input": u}
         if kind == "silu":
-            return torch.ops.aten.silu_backward(grad, u)
+            op = torch.ops.aten.silu_backward
+            return (op.grad_input if out else op.default)(grad, u, **out)
         approximate = "tanh" if kind == "gelu_tanh" else "none"
-        return torch.ops.aten.gelu_backward(grad, u, approximate=approximate)
+        op = torch.ops.aten.gelu_backward
+        return (op.grad_input if out else op.default)(grad, u, approximate=approximate, **out)
 
     class _Gated(torch.autograd.Function):
         @staticmethod

@@ -140,11 +140,12 @@ if TORCH:
         for free: a Python number, or a 0-d CPU tensor without gradient
         on eager torch (`item()` there reads memory, no device sync).
         None elsewhere (a GPU tensor, `torch.compile`, a tensor that
-        needs a gradient)."""
+        needs a gradient, inside `memo_disabled()`)."""
         if type(x) in _NUMBERS:
             return float(x)
         if (
-            type(x) is _TENSOR
+            not _MEMO_OFF
+            and type(x) is _TENSOR
             and x.ndim == 0
             and x.device.type == "cpu"
             and not x.requires_grad
@@ -475,7 +476,8 @@ if TORCH:
     @contextlib.contextmanager
     def memo_disabled():
         """A scope in which `memoize_scalars` functions compute every call
-        (to compare a memoized result with its function's)."""
+        and `host_value` reads nothing (to compare a result with that of
+        the tensor ops it shortcuts)."""
         _MEMO_OFF.append(True)
         try:
             yield

@@ -81,9 +81,30 @@ def _subnormal_pow2_bits(mant):
     return S.left_shift(S.ones_like(mant), top_bit)
 
 
-@S.memoize_scalars
 def pow2_round_down(x):
-    """Largest power of two `<= |x|`, as float32 (see the module table)."""
+    """Largest power of two `<= |x|`, as float32 (see the module table).
+    A scalar whose value the host has (`backend.scalar.host_value`: eager
+    torch on the CPU) is rounded in Python, and the result is a cached
+    tensor: a statistic that changes every step would miss the memo."""
+    v = S.host_value(x) if S.is_tensor(x) else None
+    if v is not None:
+        return S.float32_scalar(_host_round_down(v), x)
+    return _pow2_round_down(x)
+
+
+def _host_round_down(v):
+    """`pow2_round_down` of a Python float holding a float16, bfloat16 or
+    float32 value (the module table; `frexp` is exact for subnormals)."""
+    v = abs(v)
+    if v == 0.0:
+        return 0.0
+    if not math.isfinite(v):
+        return math.inf
+    return math.ldexp(0.5, math.frexp(v)[1])
+
+
+@S.memoize_scalars
+def _pow2_round_down(x):
     b = _bits(_as_f32(x))
     exp = S.bitwise_and(b, _EXP_MASK)
     mant = S.bitwise_and(b, _MANT_MASK)

@@ -31,11 +31,12 @@ def effective_grad_scale(grad_scale, scale):
 
 
 @S.memoize_scalars
-def _rebalanced(m, scale):
-    """`(1/k, 1, scale·k)` for a weight whose data's max is `m`, `k =
-    P(m)`; `(1, 1, 0)` for an all-zero (or non-finite) max."""
-    nonzero = S.logical_and(S.greater(m, 0.0), S.isfinite(m))
-    k = S.where(nonzero, pow2.pow2_round_down(m), 1.0)
+def _rebalanced(p, scale):
+    """`(1/p, 1, scale·p)` for a weight whose data's max `m` has `p =
+    P(m)`; `(1, 1, 0)` for an all-zero (or non-finite) max, whose `p` is 0
+    (or inf). (Keyed on `p`, not `m`, the memo hits from step to step.)"""
+    nonzero = S.logical_and(S.greater(p, 0.0), S.isfinite(p))
+    k = S.where(nonzero, p, 1.0)
     return 1.0 / k, S.ones_like(k), S.where(nonzero, scale * k, 0.0)
 
 
@@ -147,7 +148,7 @@ class ScaledVariable:
         if not rebalance:
             return ScaledTensor(data, scale, gs)
         m = S.stop_gradient(S.max(S.abs(pow2.as_dtype(data, "float32"))))
-        inv_k, one, scale = _rebalanced(m, scale)
+        inv_k, one, scale = _rebalanced(pow2.pow2_round_down(m), scale)
         return ScaledTensor(rescale(data, inv_k, one), scale, gs)
 
     @property
