@@ -17,6 +17,7 @@ from keras_scalify.layers.base import spec_like
 from keras_scalify.layers.base import to_float32
 from keras_scalify.layers.activation import _as_spec
 from keras_scalify.ops.rescaling import STATISTICS
+from keras_scalify.ops.nn import affine_layer_normalization
 from keras_scalify.ops.rescaling import delayed_rescale_grad
 
 
@@ -166,6 +167,17 @@ class ScaledLayerNormalization(_ScaledNorm):
         x = self._rescaled_input(inputs)
         axes, ndim = self._call_axes(x), len(x.shape)
         # Normalized and scaled in float32, rounded once (`_finish`).
+        if self._gamma is not None and self._beta is not None:
+            # One node where the backend fuses it (`affine_layer_normalization`).
+            y = affine_layer_normalization(
+                x,
+                self._param(self._gamma, x, axes, ndim),
+                self._param(self._beta, x, axes, ndim),
+                axis=axes,
+                epsilon=self.epsilon,
+                calibrated=(self._gamma.calibrated, self._beta.calibrated),
+            )
+            return self._finish(y)
         y = sops.layer_normalization(x, axis=axes, epsilon=self.epsilon)
         if self._gamma is not None:
             y = sops.multiply(

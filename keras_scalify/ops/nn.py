@@ -121,6 +121,43 @@ def _axes(axis):
     return sorted(axis) if isinstance(axis, (list, tuple)) else [axis]
 
 
+def affine_layer_normalization(x, gamma, beta, axis=-1, epsilon=None, calibrated=None):
+    """`add(multiply(layer_normalization(x, axis, epsilon), gamma, calibrated=(None, cg)),
+    beta, calibrated=(None, cb))` for `calibrated = (cg, cb)` (or None):
+    the three rules' scales, from their own scale arithmetic. Where
+    `backend.fused.affine_normalize` applies (eager torch on the CPU, float32
+    data, trailing axes, `q = 1`) the data is one fused node; elsewhere the
+    three ops run. `gamma` and `beta` are ScaledTensors."""
+    from keras_scalify.ops.arithmetic import _product_grad_scales
+    from keras_scalify.ops.arithmetic import _sum_scales
+    from keras_scalify.ops.arithmetic import add
+    from keras_scalify.ops.arithmetic import multiply
+    from keras_scalify.ops._common import check_calibrated
+
+    cg, cb = (None, None) if calibrated is None else check_calibrated(calibrated, 2)
+    if epsilon is None:
+        import keras
+
+        epsilon = keras.config.epsilon()
+    if is_scaled(x) and is_scaled(gamma) and is_scaled(beta):
+        sa, ga = scalars(x)
+        inv_q, eps_d, g_n = _normalize_scalars(sa, ga, float(epsilon))
+        (sg, gg), (sb, gb) = scalars(gamma), scalars(beta)
+        s_y = inv_q * sg
+        g_y, ca, cgam = _product_grad_scales(inv_q, g_n, sg, gg, s_y, [None, cg])
+        s, g, fa, ba, fb, bb = _sum_scales(s_y, g_y, sb, gb, [None, cb])
+        axes = [ax % len(x.shape) for ax in _axes(axis)]
+        if sorted(axes) == list(range(len(x.shape) - len(axes), len(x.shape))):
+            out = fused.affine_normalize(
+                x.data, gamma.data, beta.data, inv_q, eps_d, (fa, fb, ba, ca, cgam, bb)
+            )
+            if out is not None:
+                return ScaledTensor(out, s, g)
+    y = layer_normalization(x, axis=axis, epsilon=epsilon)
+    y = multiply(y, gamma, calibrated=None if calibrated is None else (None, cg))
+    return add(y, beta, calibrated=None if calibrated is None else (None, cb))
+
+
 def layer_normalization(x, axis=-1, epsilon=None):
     """Rule (no affine): `s = 1`, `d = (a - E a)/sqrt(Var a + eps/sa²)`; `g = ga·sa`.
 

@@ -152,3 +152,58 @@ def test_layer_normalization_values_and_gradient_match_float64(axes, s):
     np.testing.assert_allclose(to_np(normalized(ops.convert_to_tensor(data))), want, rtol=1e-4, atol=1e-4)
     # d/d(data) = s · d/dx
     np.testing.assert_allclose(to_np(grad), want_grad * s, rtol=1e-3, atol=1e-3 * s * np.abs(want_grad).max())
+
+
+# --- affine_layer_normalization (ScaledLayerNormalization's call) -------------
+
+@pytest.mark.parametrize("axes", [[-1], [1, 2], [1]], ids=["last", "last_two", "middle"])
+@pytest.mark.parametrize(
+    "s", [2.0**-12, 1.0, 2.0**40], ids=lambda s: f"2^{int(math.log2(s))}"
+)
+def test_affine_layer_normalization_matches_its_three_rules(axes, s):
+    """`affine_layer_normalization` (one torch node over trailing axes with
+    q = 1; the composition elsewhere) gives the values, scales and
+    gradients of `layer_normalization`, `multiply(gamma)` and `add(beta)`
+    in a row, for gamma and beta far from unit scale, their grad scales
+    calibrated or not."""
+    from keras_scalify.ops.nn import affine_layer_normalization
+
+    rng = np.random.default_rng(2)
+    data = (rng.standard_normal((3, 5, 8)) + 20.0 * rng.standard_normal((3, 5, 1))).astype("float32")
+    pshape = [data.shape[a] for a in axes]
+    bshape = [data.shape[a] if a in [ax % 3 for ax in axes] else 1 for a in range(3)]
+    gamma = (1.0 + rng.standard_normal(pshape)).astype("float32")
+    beta = rng.standard_normal(pshape).astype("float32")
+    upstream = ops.convert_to_tensor(rng.standard_normal(data.shape).astype("float32"))
+    trailing = axes != [1]
+    calibrated = (ops.convert_to_tensor(True), ops.convert_to_tensor(False))
+
+    def params(g, b):
+        g = ksc.as_scaled(g, np.float32(2.0**-3), np.float32(2.0**5))
+        b = ksc.as_scaled(b, np.float32(2.0**4), np.float32(2.0**-7))
+        if not trailing:
+            g, b = ksc.ops.reshape(g, bshape), ksc.ops.reshape(b, bshape)
+        return g, b
+
+    def fused(d, g, b):
+        x = ksc.as_scaled(d, np.float32(s), np.float32(2.0**3))
+        g, b = params(g, b)
+        return affine_layer_normalization(x, g, b, axis=axes, epsilon=1e-3, calibrated=calibrated)
+
+    def composed(d, g, b):
+        x = ksc.as_scaled(d, np.float32(s), np.float32(2.0**3))
+        g, b = params(g, b)
+        y = ksc.ops.layer_normalization(x, axis=axes, epsilon=1e-3)
+        y = ksc.ops.multiply(y, g, calibrated=(None, calibrated[0]))
+        return ksc.ops.add(y, b, calibrated=(None, calibrated[1]))
+
+    args = [ops.convert_to_tensor(v) for v in (data, gamma, beta)]
+    got, want = fused(*args), composed(*args)
+    assert float(got.scale) == float(want.scale) and float(got.grad_scale) == float(want.grad_scale)
+    np.testing.assert_allclose(to_np(got.data), to_np(want.data), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda *a: ops.sum(f(*a).data * upstream)
+    _, got_grads = value_and_grad(loss(fused))(*args)
+    _, want_grads = value_and_grad(loss(composed))(*args)
+    for g, w in zip(got_grads, want_grads):
+        scale = np.abs(to_np(w)).max()
+        np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-4, atol=1e-5 * scale)
