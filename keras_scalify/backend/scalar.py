@@ -342,6 +342,37 @@ if TORCH:
         return ops.clip(x, lo, hi)
 
     multiply_in_place = _in_place("mul_", multiply, "multiply")
+
+    def multiply_all_in_place(xs, factors):
+        """`[multiply_in_place(x, f) ...]` over the pairs of `xs` and scalar
+        `factors`, the float32 CPU tensors whose factors the host reads
+        (`host_value`) in one `torch._foreach_mul_` (an optimizer step
+        decodes and re-encodes every weight: one Python-level op per
+        weight each way)."""
+        out = list(xs)
+        batch, values = [], []
+        for i, (x, f) in enumerate(zip(xs, factors)):
+            v = host_value(f) if _writable(x) and x.dtype == torch.float32 and x.device.type == "cpu" else None
+            if v is None:
+                out[i] = multiply_in_place(x, f)
+            else:
+                batch.append(x)
+                values.append(v)
+        if batch:
+            torch._foreach_mul_(batch, values)
+        return out
+
+    def rms_all(xs):
+        """`stack([rms(x) for x in xs])`; CPU float32 tensors outside
+        `torch.compile` by one `torch._foreach_norm`."""
+        xs = list(xs)
+        if xs and not _is_compiling() and all(
+            type(x) is _TENSOR and x.dtype == torch.float32 and x.device.type == "cpu" for x in xs
+        ):
+            norms = torch.stack(torch._foreach_norm(xs))
+            inv_sizes = torch.tensor([1.0 / math.sqrt(x.numel() or 1) for x in xs], dtype=torch.float32)
+            return norms * inv_sizes
+        return stack([rms(x) for x in xs])
     add_in_place = _in_place("add_", add, "add")
     subtract_in_place = _in_place("sub_", subtract, "subtract")
     bitwise_and_in_place = _in_place("bitwise_and_", bitwise_and, "bitwise_and")
@@ -664,6 +695,14 @@ else:
 
     # Traced backends have no in-place writes: the ops above.
     clip_in_place, multiply_in_place, add_in_place, subtract_in_place = clip, multiply, add, subtract
+
+    def multiply_all_in_place(xs, factors):
+        """`[multiply(x, f) ...]` (no in-place writes here)."""
+        return [multiply(x, f) for x, f in zip(xs, factors)]
+
+    def rms_all(xs):
+        """`stack([rms(x) for x in xs])`."""
+        return stack([rms(x) for x in xs])
     bitwise_and_in_place, right_shift_in_place = bitwise_and, right_shift
     bitwise_xor_in_place = bitwise_xor
 

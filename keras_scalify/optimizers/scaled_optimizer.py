@@ -24,7 +24,6 @@ from keras_scalify.backend.optimizer import FUSE_MIN_ELEMENTS
 from keras_scalify.backend.optimizer import use_generic_updates
 from keras_scalify.layers.variable import effective_grad_scale
 from keras_scalify.layers.variable import read_tensor
-from keras_scalify.ops.rescaling import data_statistic
 from keras_scalify.ops.rescaling import grad_scale_from_statistic
 from keras_scalify.optimizers import state
 
@@ -342,7 +341,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         # Each gradient cast to float32 once, for its statistic and its
         # decode (a narrower one's copy is then scaled in place).
         as_float32 = [S.cast(g, "float32") for _, _, _, g in measured]
-        stats = S.stack([data_statistic(g, "l2") for g in as_float32])
+        stats = S.rms_all(as_float32)  # `data_statistic(g, "l2")` of each
         # A float32 gradient cannot underflow to all zeros.
         underflows = [
             dtype_name(g.dtype) != "float32" for _, _, _, g in measured
@@ -358,18 +357,26 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         ok = S.logical_and(S.isfinite(stats), S.greater(stats, 0.0))
         new_gs = S.unstack(S.where(ok, new_gs, -new_gs))
         gs_each = S.unstack(gs)
-        for (i, sv, _, g), g32, new, g_scale in zip(measured, as_float32, new_gs, gs_each):
+        # `multiply`, not `*`: on TensorFlow an Embedding's gradient is a
+        # `tf.IndexedSlices` (one row per token, repeats included), which
+        # `*` densifies (summing the repeats); the inner optimizer must
+        # get it as in plain Keras, whose sparse update differs (Adam
+        # squares rows). A float32 copy of a narrower gradient, and a
+        # variable's own `.grad` on eager torch, are scaled in place (as
+        # one batch).
+        in_place = [
+            dtype_name(g.dtype) != "float32" or owned_gradient(g, sv.data)
+            for _, sv, _, g in measured
+        ]
+        scaled = iter(
+            S.multiply_all_in_place(
+                [g32 for g32, p in zip(as_float32, in_place) if p],
+                [gs for gs, p in zip(gs_each, in_place) if p],
+            )
+        )
+        for (i, sv, _, _), g32, new, g_scale, p in zip(measured, as_float32, new_gs, gs_each, in_place):
             always.append((sv.grad_scale, new))
-            # `multiply`, not `*`: on TensorFlow an Embedding's
-            # gradient is a `tf.IndexedSlices` (one row per token,
-            # repeats included), which `*` densifies (summing the
-            # repeats); the inner optimizer must get it as in plain
-            # Keras, whose sparse update differs (Adam squares rows).
-            # (A float32 copy of a narrower gradient, and a variable's
-            # own `.grad` on eager torch, are scaled in place.)
-            in_place = dtype_name(g.dtype) != "float32" or owned_gradient(g, sv.data)
-            scale_fn = S.multiply_in_place if in_place else S.multiply
-            inner_grads[i] = scale_fn(g32, g_scale)
+            inner_grads[i] = next(scaled) if p else S.multiply(g32, g_scale)
         return ops.all(S.isfinite(stats * gs))
 
     def _update(self, weights, inner_grads, guard):
@@ -391,10 +398,12 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             # The native update owns what it updates: float32 data is
             # decoded in place in its variable, updated there and
             # re-encoded there (no weight-sized temporary, no copy back).
-            mapping = [
-                (ghost, state.decode(read_tensor(sv.data), scale, owned=native and sv.master_dtype == "float32"))
-                for sv, ghost, scale in weights
-            ]
+            decoded = state.decode_all(
+                [read_tensor(sv.data) for sv, _, _ in weights],
+                [scale for _, _, scale in weights],
+                [native and sv.master_dtype == "float32" for sv, _, _ in weights],
+            )
+            mapping = [(ghost, value) for (_, ghost, _), value in zip(weights, decoded)]
             mapping += [(v, read_tensor(v)) for kind, _, v in self._entries if kind == "plain"]
             mapping += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
             mapping += [(v, read_tensor(v)) for v in inner_real]

@@ -74,13 +74,11 @@ def encode_weights(values, scales, dtypes, keys, owned=False):
             (eager torch's in-place update of the decoded weights): they
             are scaled in place, without weight-sized temporaries.
     """
-    out = []
-    for value, scale in zip(values, scales):
-        # A normal pow2 scale has an exact reciprocal: one multiply per
-        # element instead of a divide (the scale is kept normal).
-        scale = S.clip(scale, SCALE_MIN, SCALE_MAX)
-        inv = 1.0 / scale
-        out.append([S.multiply_in_place(value, inv) if owned else value * inv, scale])
+    # A normal pow2 scale has an exact reciprocal: one multiply per
+    # element instead of a divide (the scale is kept normal).
+    scales, invs = zip(*[_normal_and_inverse(scale) for scale in scales]) if scales else ((), ())
+    values = S.multiply_all_in_place(values, invs) if owned else [v * inv for v, inv in zip(values, invs)]
+    out = [[value, scale] for value, scale in zip(values, scales)]
     rounded = {}
     for i, (dtype, key) in enumerate(zip(dtypes, keys)):
         if dtype == "float32":
@@ -98,6 +96,13 @@ def encode_weights(values, scales, dtypes, keys, owned=False):
     return [tuple(pair) for pair in out]
 
 
+@S.memoize_scalars
+def _normal_and_inverse(scale):
+    """`(scale clipped to [SCALE_MIN, SCALE_MAX], its reciprocal)`."""
+    scale = S.clip(scale, SCALE_MIN, SCALE_MAX)
+    return scale, 1.0 / scale
+
+
 def encode_slot(value, dtype):
     """`(data, scale)` for an optimizer slot; scale is None for float32."""
     if dtype == "float32":
@@ -105,6 +110,21 @@ def encode_slot(value, dtype):
     amax = S.max(ops.abs(value)) if len(value.shape) else ops.abs(value)
     scale = valid_pow2(amax) * 2.0**-SLOT_MAX_EXPONENT
     return saturating_cast(value / scale, dtype), scale
+
+
+def decode_all(datas, scales, owned):
+    """`[decode(d, s, o) ...]` over `datas`, `scales` and `owned`, the
+    in-place ones as one batch (`backend.scalar.multiply_all_in_place`)."""
+    values = [pow2.as_dtype(d, "float32") for d in datas]
+    batch = [
+        i
+        for i, (d, o) in enumerate(zip(datas, owned))
+        if o or dtype_name(d.dtype) != "float32"
+    ]
+    out = [v if i in batch else v * s for i, (v, s) in enumerate(zip(values, scales))]
+    for i, v in zip(batch, S.multiply_all_in_place([values[i] for i in batch], [scales[i] for i in batch])):
+        out[i] = v
+    return out
 
 
 def decode(data, scale, owned=False):

@@ -344,3 +344,26 @@ def test_host_value_reads_only_what_the_host_has_for_free():
         import torch
 
         assert S.host_value(torch.tensor(1.0, requires_grad=True)) is None
+
+
+def test_batched_optimizer_helpers_match_their_per_tensor_ops():
+    """`rms_all` gives `rms` of each tensor bit for bit (one
+    `_foreach_norm` on eager torch); `multiply_all_in_place` gives
+    `multiply` of each pair, writing the tensors that may be written (on
+    torch, not one that autograd records) and leaving the others."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(shape).astype("float32") * 2.0**e for shape, e in [((7, 5), -30), ((11,), 0), ((), 40)]]
+    xs = [ops.convert_to_tensor(a) for a in arrays]
+    want = np.stack([np.asarray(to_np(S.rms(x))) for x in xs])
+    assert to_np(S.rms_all(xs)).tobytes() == want.tobytes()
+    factors = [ops.convert_to_tensor(np.float32(f)) for f in (2.0**-3, 1.0, 2.0**7)]
+    want = [np.asarray(to_np(S.multiply(x, f))) for x, f in zip(xs, factors)]
+    fresh = [ops.convert_to_tensor(a.copy()) for a in arrays]
+    if keras.backend.backend() == "torch":
+        fresh[1].requires_grad_(True)
+    got = S.multiply_all_in_place(fresh, factors)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(to_np(g if not getattr(g, "requires_grad", False) else g.detach())), w)
+    if keras.backend.backend() == "torch":
+        assert got[0] is fresh[0] and got[2] is fresh[2]  # written in place
+        assert got[1] is not fresh[1]  # a tensor autograd records is not
