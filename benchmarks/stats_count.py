@@ -25,8 +25,9 @@ Statistics are counted two ways:
    tf.function, eager on torch) with the functions that compute
    statistics wrapped to count their calls —
    Keras's `compute_float8_amax_history`; keras_scalify's
-   `ops.rescaling.data_statistic` (every dynamic / delayed rescale and the
-   optimizer's gradient-scale calibration), `ScaledVariable.read(
+   `ops.rescaling.data_statistic` (every dynamic / delayed rescale),
+   `backend.scalar.rms_all` (the optimizer's gradient-scale calibration,
+   one RMS per weight gradient), `ScaledVariable.read(
    rebalance=True)` (a max over a bias), and the optimizer's
    `state.rms` / `state.encode_slot`. Each call is classified by its
    tensor: batch-shaped (an activation or its gradient) or weight-shaped,
@@ -153,6 +154,17 @@ def counting(counter):
 
         return wrapped
 
+    def rms_all(fn):
+        # The optimizer's grad-scale calibration: the RMS of every weight
+        # gradient in one call (`backend.scalar.rms_all`).
+        def wrapped(xs):
+            xs = list(xs)
+            for x in xs:
+                counter.add(f"{STAT_NAMES['l2']} of a weight gradient (its grad-scale calibration)", x)
+            return fn(xs)
+
+        return wrapped
+
     def rms(fn):
         def wrapped(x):
             counter.add("RMS of each weight's data (scale re-split; computed only on rescale steps, every `rescale_every`)", x)
@@ -189,7 +201,7 @@ def counting(counter):
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(keras_quantizers, "compute_float8_amax_history", amax_history))
         stack.enter_context(patched(ksc_rescaling, "data_statistic", data_statistic))
-        stack.enter_context(patched(ksc_scaled_optimizer, "data_statistic", data_statistic))
+        stack.enter_context(patched(ksc_scaled_optimizer.S, "rms_all", rms_all))
         stack.enter_context(patched(ksc_state, "rms", rms))
         stack.enter_context(patched(ksc_state, "encode_slot", encode_slot))
         stack.enter_context(patched(ksc_variable.ScaledVariable, "read", read))
