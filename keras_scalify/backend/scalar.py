@@ -55,6 +55,19 @@ def dtype_name(dtype):
         return standardize_dtype(dtype)
 
 
+def _sum_to_ops(x, shape):
+    """`sum_to` with `keras.ops`: the leading axes `x` has beyond `shape`,
+    and those where `shape` is 1, summed."""
+    shape = tuple(shape)
+    lead = len(x.shape) - len(shape)
+    axes = list(range(lead)) + [
+        lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1
+    ]
+    if not axes:
+        return ops.reshape(x, shape) if lead else x
+    return ops.reshape(ops.sum(x, axis=axes, keepdims=True), shape)
+
+
 def _compiling():
     """Whether `torch.compile` is tracing this call."""
     if not TORCH:
@@ -361,6 +374,13 @@ if TORCH:
         if batch:
             torch._foreach_mul_(batch, values)
         return out
+
+    def sum_to(x, shape):
+        """`x` summed over its broadcast axes down to `shape` (the
+        cotangent of an operand broadcast to `x`'s shape)."""
+        if isinstance(x, torch.Tensor):
+            return x.sum_to_size(shape) if tuple(x.shape) != tuple(shape) else x
+        return _sum_to_ops(x, shape)
 
     def rms_all(xs):
         """`stack([rms(x) for x in xs])`; CPU float32 tensors outside
@@ -695,6 +715,10 @@ else:
 
     # Traced backends have no in-place writes: the ops above.
     clip_in_place, multiply_in_place, add_in_place, subtract_in_place = clip, multiply, add, subtract
+
+    def sum_to(x, shape):
+        """`x` summed over its broadcast axes down to `shape`."""
+        return _sum_to_ops(x, shape)
 
     def multiply_all_in_place(xs, factors):
         """`[multiply(x, f) ...]` (no in-place writes here)."""

@@ -8,6 +8,7 @@ from keras_scalify.backend import fp8
 from keras_scalify.backend import scalar as S
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops.linalg import contraction_plus
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.activation import keras_activation
@@ -23,6 +24,36 @@ from keras_scalify.layers.base import scaled_base_kwargs
 from keras_scalify.layers.base import to_float32
 
 
+def _votes(layer, calibrated):
+    """The contraction's `calibrated=` for a weight's `calibrated` flag
+    (`policy_matmul`)."""
+    if calibrated is None:
+        return None
+    if not getattr(layer, "_input_votes_when_calibrated", True):
+        return (S.logical_not(calibrated), calibrated)
+    return (None, calibrated)
+
+
+def matmul_bias_and_activation(layer, subscripts_or_none, x, w, calibrated=None):
+    """`bias_and_activation(layer, policy_matmul(layer, subscripts_or_none,
+    x, w, epilogue=True, calibrated=calibrated))`. Under a float32 policy
+    with a bias, the GEMMs and the bias add are one custom gradient
+    (`ops.linalg.contraction_plus`, the rules' scales unchanged)."""
+    if layer._bias is not None and all(
+        dtype_name(d) == "float32"
+        for d in (layer.policy_dtype("matmul_dtype"), layer.policy_dtype("grad_dtype"), layer.compute_dtype)
+    ):
+        bias = sops.cast(layer._bias.read(rebalance=True), "float32")
+        y = contraction_plus(
+            subscripts_or_none, x, w, bias,
+            calibrated=_votes(layer, calibrated), c_calibrated=layer._bias.calibrated,
+        )
+        if y is not None:
+            return bias_and_activation(layer, y, add_bias=False)
+    y = policy_matmul(layer, subscripts_or_none, x, w, epilogue=True, calibrated=calibrated)
+    return bias_and_activation(layer, y)
+
+
 def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=None):
     """`x @ w` (or an einsum) with the policy's casts: inputs cast to the
     matmul dtype forward (E4M3 under scaled_fp8), the output gradient cast
@@ -33,9 +64,7 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
     scale does not vote for the output's). A layer whose
     `_input_votes_when_calibrated` is False takes a calibrated weight's
     prediction alone (see `ScaledMultiHeadAttention`)."""
-    cal = None if calibrated is None else (None, calibrated)
-    if calibrated is not None and not getattr(layer, "_input_votes_when_calibrated", True):
-        cal = (S.logical_not(calibrated), calibrated)
+    cal = _votes(layer, calibrated)
     mm = layer.policy_dtype("matmul_dtype")
     gd = layer.policy_dtype("grad_dtype")
     if dtype_name(mm) in FP8_DTYPES:
@@ -60,14 +89,15 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
     return y
 
 
-def bias_and_activation(layer, y):
+def bias_and_activation(layer, y, add_bias=True):
     """`activation(y + bias)` in float32, rounded once to the compute dtype
-    (`y` only cast to it when the layer has neither)."""
+    (`y` only cast to it when the layer has neither; `add_bias=False`: the
+    bias is in `y` already)."""
     dtype = dtype_name(layer.compute_dtype)
-    if layer._bias is None and layer._act is None:
+    if (layer._bias is None or not add_bias) and layer._act is None:
         return sops.cast(y, dtype)
     y = to_float32(y)
-    if layer._bias is not None:
+    if layer._bias is not None and add_bias:
         bias = sops.cast(layer._bias.read(rebalance=True), "float32")
         y = sops.add(y, bias, calibrated=(None, layer._bias.calibrated))
     if layer._act is not None:
@@ -138,10 +168,9 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
                 f"`inputs` of {self.name} must have last dimension "
                 f"{self._kernel.shape[0]}, got shape {x.shape}."
             )
-        y = policy_matmul(
-            self, None, x, self._kernel.read(), epilogue=True, calibrated=self._kernel.calibrated
+        return matmul_bias_and_activation(
+            self, None, x, self._kernel.read(), calibrated=self._kernel.calibrated
         )
-        return bias_and_activation(self, y)
 
     def compute_output_spec(self, inputs):
         from keras_scalify.layers.activation import _as_spec

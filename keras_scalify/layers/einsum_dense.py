@@ -10,8 +10,7 @@ from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
-from keras_scalify.layers.dense import bias_and_activation
-from keras_scalify.layers.dense import policy_matmul
+from keras_scalify.layers.dense import matmul_bias_and_activation
 from keras_scalify.layers.base import cast_to_compute
 
 # Keras EinsumDense arguments that scaled layers accept only at their
@@ -210,11 +209,9 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
     def call(self, inputs, training=None):
         x = cast_to_compute(self, inputs)
         self._check_input(tuple(x.shape))
-        y = policy_matmul(
-            self, self._call_equation, x, self._kernel.read(), epilogue=True,
-            calibrated=self._kernel.calibrated,
+        return matmul_bias_and_activation(
+            self, self._call_equation, x, self._kernel.read(), calibrated=self._kernel.calibrated
         )
-        return bias_and_activation(self, y)
 
     def compute_output_shape(self, input_shape):
         return tuple(self._analyze(plain_shape(input_shape))[2])

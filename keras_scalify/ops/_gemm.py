@@ -34,7 +34,11 @@ from keras_scalify.ops._common import static_count
 
 
 def _apply(gemm, x, y, factor, out_shape, dtype, exact):
-    """`gemm(x, y) · factor` in `dtype` (see the module docstring)."""
+    """`gemm(x, y) · factor` in `dtype` (see the module docstring). A
+    factor known to be 1 is not applied; on the GEMM's own result it is
+    applied in place (eager torch)."""
+    if S.is_one(factor):
+        return as_dtype(gemm(x, y), dtype)
     if exact:
         sizes = [static_count(x.shape), static_count(y.shape)]
         smaller = 0 if sizes[0] <= sizes[1] else 1
@@ -42,11 +46,51 @@ def _apply(gemm, x, y, factor, out_shape, dtype, exact):
             if smaller == 0:
                 return gemm(S.multiply(x, factor), y)
             return gemm(x, S.multiply(y, factor))
-    return as_dtype(S.multiply(gemm(x, y), factor), dtype)
+    return as_dtype(S.multiply_in_place(gemm(x, y), factor), dtype)
 
 
 def _all_float32(*xs):
     return all(dtype_name(x.dtype) == "float32" for x in xs)
+
+
+@S.memoize_scalars
+def _with_sum_factors(factors, sum_factors):
+    """The GEMM factors `(f_out·fa, f_a·ba, f_b·ba)` of a contraction whose
+    output `y` joins a sum `y·fa + c·fb` with backward factor `ba`."""
+    (f_out, f_a, f_b), (fa, ba) = factors, sum_factors
+    return f_out * fa, f_a * ba, f_b * ba
+
+
+def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape):
+    """`scaled_gemms(...)·fa + c·fb` as one custom gradient, for float32
+    operands and output (a Dense layer's bias add, the `add` rule):
+    `sum_factors = (fa, ba, fb, bb)`, the sum's forward and backward
+    factors. The sum's factors join the GEMMs' (`fa` the forward one, `ba`
+    both backward ones: the cotangent is not rescaled by a pass of its
+    own), `c·fb` is added to the GEMM's own result (in place on eager
+    torch), and `c`'s cotangent is `sum_to(g, c.shape)·bb`."""
+    fa, ba, fb, bb = sum_factors
+    f_out, f_a, f_b = _with_sum_factors(tuple(factors), (fa, ba))
+    a_shape, b_shape, c_shape = tuple(a.shape), tuple(b.shape), tuple(c.shape)
+    need_a, need_b, need_c = S.needs_gradient(a), S.needs_gradient(b), S.needs_gradient(c)
+
+    @ops.custom_gradient
+    def fn(a, b, c, f_out, f_a, f_b, fb, bb):
+        def grad(*args, upstream=None, variables=None):
+            g = _upstream(args, upstream)
+            ga = gb = gc = None
+            if need_a:
+                ga = _apply(gemms.grad_a, g, b, f_a, a_shape, "float32", True)
+            if need_b:
+                gb = _apply(gemms.grad_b, a, g, f_b, b_shape, "float32", True)
+            if need_c:
+                gc = S.multiply(S.sum_to(g, c_shape), bb)
+            return ga, gb, gc, None, None, None, None, None
+
+        y = _apply(gemms.forward, a, b, f_out, out_shape, "float32", True)
+        return S.add_in_place(y, c if S.is_one(fb) else S.multiply(c, fb)), grad
+
+    return fn(a, b, c, f_out, f_a, f_b, fb, bb)
 
 
 def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):

@@ -155,6 +155,48 @@ def _contract(
     return ScaledTensor(out, scale, g)
 
 
+def contraction_plus(subscripts, x, w, c, *, calibrated=None, c_calibrated=None):
+    """`add(einsum(subscripts, x, w, calibrated=calibrated), c,
+    calibrated=(None, c_calibrated))` (`matmul` for `subscripts=None`),
+    with both rules' scales from their own scale arithmetic, as one custom
+    gradient (`ops._gemm.scaled_gemms_plus`: no pass of its own for the
+    sum's factors), where the GEMMs of `ops/_gemm.py` run it on float32
+    data of `x`, `w` and the ScaledTensor `c` (a Dense layer's bias);
+    None otherwise (the caller composes the two ops)."""
+    from keras_scalify.ops._gemm import scaled_gemms_plus
+    from keras_scalify.ops.arithmetic import _sum_scales
+
+    ab = _operands(x, w)
+    if ab is None or not is_scaled(c):
+        return None
+    a, b = ab
+    if any(x.dtype != "float32" for x in (a, b, c)):
+        return None
+    if subscripts is None:
+        equation, k = _weight_equation(a, b), _static_k(a.data, "x1")
+        out_shape = _result_shape(("matmul",), ops.matmul, (a, b))
+    else:
+        equation = _two_operand_equation(subscripts, (a, b))
+        k = _parse_einsum(subscripts, [a.shape, b.shape])
+        out_shape = _einsum_shape(subscripts, (a, b))
+    args = _gemm_args(equation, a, b)
+    if not args:
+        return None
+    sc = (scalars(a), scalars(b))
+    scale, g, cs = _contraction_scales(
+        sc, k, static_count(out_shape), _sizes((a, b)), _check_calibrated(calibrated, 2)
+    )
+    sc_c = scalars(c)
+    s, g_sum, fa, ba, fb, bb = _sum_scales(
+        scale, g, *sc_c, None if c_calibrated is None else [None, c_calibrated]
+    )
+    out = scaled_gemms_plus(
+        args["gemms"], a.data, b.data, c.data, _gemm_factors(cs, static_pow2_sqrt(k)),
+        (fa, ba, fb, bb), out_shape,
+    )
+    return ScaledTensor(out, s, g_sum)
+
+
 def _check_out_dtype(out_dtype):
     """`out_dtype` as a format name (None stays None); FP8 is refused."""
     if out_dtype is None:

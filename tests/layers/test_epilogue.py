@@ -156,3 +156,66 @@ def test_attention_scores_stay_float32_until_the_probabilities(rng):
     roundings = _f16_roundings(forward, tv)
     scores = [e for e in roundings if e.outvars[0].aval.shape == (2, 2, 6, 6)]
     assert len(scores) == 1, scores
+
+
+def _fused_bias_layers():
+    return {
+        "dense_2d": (lambda: ksc.layers.ScaledDense(24, activation="relu"), (6, 16)),
+        "dense_3d": (lambda: ksc.layers.ScaledDense(24), (3, 5, 16)),
+        "einsum_trailing_bias": (
+            lambda: ksc.layers.ScaledEinsumDense("abc,cde->abde", output_shape=(None, 4, 8), bias_axes="de"),
+            (3, 5, 16),
+        ),
+        "einsum_middle_bias": (
+            lambda: ksc.layers.ScaledEinsumDense("abc,cd->abd", output_shape=(5, 12), bias_axes="b"),
+            (3, 5, 16),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_fused_bias_layers()))
+def test_float32_bias_add_in_the_gemm_node_matches_the_two_rules(name, rng, monkeypatch):
+    """Under scaled_float32 the bias add of Dense / EinsumDense runs in the
+    GEMMs' custom gradient (`contraction_plus`): output, scales and the
+    gradients of the input, kernel and bias equal those of the contraction
+    followed by the `add` rule, with a bias and grad scales far from 1."""
+    from keras_scalify.layers import dense as dense_module
+
+    make, shape = _fused_bias_layers()[name]
+    layer = make()
+    x = ksc.as_scaled(rng.standard_normal(shape).astype("float32"), np.float32(2.0**-3), np.float32(2.0**4))
+    layer(x)
+    for sv in layer.scaled_weights:
+        if sv.name == "bias":
+            sv.assign(rng.standard_normal(sv.shape).astype("float32") * 40.0)
+        sv.grad_scale.assign(np.float32(2.0**-6))
+
+    def run(x_data, weights):
+        y, _ = layer.stateless_call(weights, [v.value for v in layer.non_trainable_variables],
+                                    ksc.as_scaled(x_data, np.float32(2.0**-3), np.float32(2.0**4)))
+        return y
+
+    data = ops.convert_to_tensor(x.data)
+    weights = [v.value for v in layer.trainable_variables]
+    up = ops.convert_to_tensor(rng.standard_normal(layer(x).data.shape).astype("float32"))
+    loss = lambda d, *w: ops.sum(run(d, list(w)).data * up)
+    original, taken = dense_module.contraction_plus, []
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(dense_module, "contraction_plus", spy)
+    fused = run(data, weights)
+    _, fused_grads = ksc.backend.value_and_grad(loss)(data, *weights)
+    assert taken and all(taken), "the fused node was not taken"
+    monkeypatch.setattr(dense_module, "contraction_plus", lambda *a, **k: None)
+    composed = run(data, weights)
+    _, composed_grads = ksc.backend.value_and_grad(loss)(data, *weights)
+    assert float(fused.scale) == float(composed.scale)
+    assert float(fused.grad_scale) == float(composed.grad_scale)
+    np.testing.assert_allclose(to_np(fused.data), to_np(composed.data), rtol=1e-6, atol=1e-6)
+    assert len(fused_grads) == len(composed_grads) == 1 + len(weights)
+    for got, want in zip(fused_grads, composed_grads):
+        np.testing.assert_allclose(to_np(got), to_np(want), rtol=1e-5, atol=1e-6 * np.abs(to_np(want)).max())
