@@ -176,10 +176,13 @@ def _fused_bias_layers():
 @pytest.mark.parametrize("name", sorted(_fused_bias_layers()))
 def test_float32_bias_add_in_the_gemm_node_matches_the_two_rules(name, rng, monkeypatch):
     """Under scaled_float32 the bias add of Dense / EinsumDense runs in the
-    GEMMs' custom gradient (`contraction_plus`): output, scales and the
+    GEMMs' custom gradient (`contraction_plus`; the layers take it on eager
+    torch, the test forces it on every backend): output, scales and the
     gradients of the input, kernel and bias equal those of the contraction
     followed by the `add` rule, with a bias and grad scales far from 1."""
     from keras_scalify.layers import dense as dense_module
+
+    monkeypatch.setattr(dense_module, "_bias_in_gemm", lambda x, w: True)
 
     make, shape = _fused_bias_layers()[name]
     layer = make()
@@ -219,3 +222,21 @@ def test_float32_bias_add_in_the_gemm_node_matches_the_two_rules(name, rng, monk
     assert len(fused_grads) == len(composed_grads) == 1 + len(weights)
     for got, want in zip(fused_grads, composed_grads):
         np.testing.assert_allclose(to_np(got), to_np(want), rtol=1e-5, atol=1e-6 * np.abs(to_np(want)).max())
+
+
+def test_layers_take_the_bias_in_gemm_node_on_eager_torch_only(rng, monkeypatch):
+    """`_bias_in_gemm` holds for float32 eager torch tensors (the
+    composition's passes cost there) and nowhere else (XLA and Grappler
+    fuse the composition: the fused node measured slower on jax)."""
+    from keras_scalify.layers import dense as dense_module
+
+    layer = ksc.layers.ScaledDense(8)
+    x = ksc.as_scaled(rng.standard_normal((4, 16)).astype("float32"))
+    layer(x)
+    taken = []
+    original = dense_module.contraction_plus
+    monkeypatch.setattr(
+        dense_module, "contraction_plus", lambda *a, **k: taken.append(1) or original(*a, **k)
+    )
+    layer(x)
+    assert bool(taken) == (keras.config.backend() == "torch")
