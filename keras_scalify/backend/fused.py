@@ -37,6 +37,14 @@ layer norm of float32 data with a rescaled variance (the rule of
 trailing axes: one node whose backward is torch's fused layer-norm
 backward (the composition: ~11 passes).
 
+**Normalization with its affine** `affine_normalize(a, gamma, beta,
+inv_q, eps, factors)`: `normalize(a)·gamma·fa + beta·fb` (the rules of
+`layer_normalization`, `multiply` and `add` in a row). Torch, on the CPU
+over trailing axes with `inv_q = 1` and host-known factors: torch's
+`native_layer_norm` with the factors folded into its weight and bias, and
+one `native_layer_norm_backward` (the composition: 4 nodes, ~9 passes
+each way); elsewhere None, and the caller composes the rules.
+
 **Product with cotangent factors** `scaled_product(a, ca, b, cb)`: `a·b`
 with backward `cotangent·b·ca` and `cotangent·a·cb` (the rule of
 `multiply`), float32 data. Torch: the factor is applied to the smaller
