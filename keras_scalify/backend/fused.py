@@ -141,9 +141,6 @@ if TORCH:
             return _gated_ops(a, s, kind)
         return _Gated.apply(a, s.detach(), kind)
 
-    def _sum_to(x, shape):
-        return x.sum_to_size(shape) if tuple(x.shape) != tuple(shape) else x
-
     class _ScaledSum(torch.autograd.Function):
         @staticmethod
         def forward(ctx, a, fa, ba, b, fb, bb, sign):
@@ -163,9 +160,9 @@ if TORCH:
             shape_a, shape_b = ctx.shapes
             ga = gb = None
             if ctx.needs_input_grad[0]:
-                ga = _sum_to(g if S.is_one(ba) else g * ba, shape_a)
+                ga = S.sum_to(g if S.is_one(ba) else g * ba, shape_a)
             if ctx.needs_input_grad[3]:
-                gb = _sum_to(g, shape_b)
+                gb = S.sum_to(g, shape_b)
                 if ctx.sign < 0 or not S.is_one(bb):
                     gb = gb * (bb if ctx.sign > 0 else -bb)
             return ga, None, None, gb, None, None, None
@@ -189,8 +186,8 @@ if TORCH:
     def _cotangent(g, other, factor, shape):
         """`sum_to(g·other, shape)·factor`, the factor on the smaller side."""
         if other.numel() < g.numel():
-            return _sum_to(g * (other * factor), shape)
-        return _sum_to(g * other, shape) * factor
+            return S.sum_to(g * (other * factor), shape)
+        return S.sum_to(g * other, shape) * factor
 
     def _centred_and_rstd(a, axes, inv_q, eps):
         mean = torch.mean(a, dim=axes, keepdim=True)

@@ -121,7 +121,8 @@ def decode_all(datas, scales, owned):
         for i, (d, o) in enumerate(zip(datas, owned))
         if o or dtype_name(d.dtype) != "float32"
     ]
-    out = [v if i in batch else v * s for i, (v, s) in enumerate(zip(values, scales))]
+    in_batch = set(batch)
+    out = [v if i in in_batch else v * s for i, (v, s) in enumerate(zip(values, scales))]
     for i, v in zip(batch, S.multiply_all_in_place([values[i] for i in batch], [scales[i] for i in batch])):
         out[i] = v
     return out
