@@ -457,11 +457,13 @@ class ScaledMultiHeadAttention(ScaledLayer):
         return pow2.np_pow2_round_down(max(n, 1) ** 0.25)
 
     def _compute_attention(self, query, key, value, attention_mask=None, training=None):
-        # Scores in float32 (the GEMM's accumulator), scaled by 1/sqrt(d)
-        # there rather than on the query: the softmax works in float32, so
-        # neither takes a rounding pass of its own.
-        scores = sops.einsum(self._dot_product_equation, key, query, out_dtype="float32")
-        scores = sops.multiply(scores, self._inverse_sqrt_key_dim)
+        # Scores in float32 (the GEMM's accumulator), multiplied by
+        # 1/sqrt(d) in the GEMMs' own factors (`einsum(multiplier=)`) rather
+        # than on the query: no pass of its own, forward or backward.
+        scores = sops.einsum(
+            self._dot_product_equation, key, query, out_dtype="float32",
+            multiplier=self._inverse_sqrt_key_dim,
+        )
         scores = self._masked_softmax(scores, attention_mask)
         # The probabilities' cotangent is `d(out)·vᵀ`: its grad scale comes
         # from the values' side of the combination, not from the scores'

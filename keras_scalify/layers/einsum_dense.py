@@ -1,5 +1,7 @@
 """ScaledEinsumDense: `keras.layers.EinsumDense` on ScaledTensors."""
 
+import functools
+
 import keras
 from keras.src.initializers.random_initializers import VarianceScaling
 from keras.src.layers.core.einsum_dense import _analyze_einsum_string
@@ -82,6 +84,13 @@ def explicit_equation(equation, ndim):
     return f"{inp.replace('...', dims)},{kernel}->{out.replace('...', dims)}"
 
 
+
+@functools.lru_cache(maxsize=1024)
+def _analyzed(equation, bias_axes, shape, partial_output_shape):
+    """Keras's analysis of an EinsumDense equation for an input shape
+    (memoized: each call of the layer checks its input with it)."""
+    return _analyze_einsum_string(equation, bias_axes, shape, partial_output_shape)
+
 @keras.saving.register_keras_serializable(package="keras_scalify")
 class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
     """`keras.layers.EinsumDense` on ScaledTensors.
@@ -146,8 +155,8 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
 
     # --- build --------------------------------------------------------------
     def _analyze(self, shape):
-        return _analyze_einsum_string(
-            self.equation, self.bias_axes, shape, self.partial_output_shape
+        return _analyzed(
+            self.equation, self.bias_axes, tuple(shape), self.partial_output_shape
         )
 
     def _kernel_init(self, input_axes, output_axes):

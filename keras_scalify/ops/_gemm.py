@@ -93,15 +93,18 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape):
     return fn(a, b, c, f_out, f_a, f_b, fb, bb)
 
 
-def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False):
+def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False, pow2_factors=True):
     """Forward `gemms.forward(a, b)·f_out` in `out_dtype`; the cotangents of
     `a` and `b` are `grad_a(g, b)·f_a` and `grad_b(a, g)·f_b` in their
-    dtypes. `factors = (f_out, f_a, f_b)`: float32 pow2 scalar tensors.
-    `quantized`: the GEMMs round their operands (FP8), so a factor is never
-    moved onto an operand. With `gemms.quantize`, `a` and `b` are rounded
-    once in the forward and `g` once in the backward (`backend.gemm.Gemms`)."""
+    dtypes. `factors = (f_out, f_a, f_b)`: float32 scalar tensors, powers
+    of two unless `pow2_factors=False` (a static multiplier's mantissa
+    joined them). `quantized`: the GEMMs round their operands (FP8). In
+    either case a factor is never moved onto an operand (it would not
+    commute with the rounding). With `gemms.quantize`, `a` and `b` are
+    rounded once in the forward and `g` once in the backward
+    (`backend.gemm.Gemms`)."""
     out_dtype = dtype_name(out_dtype)
-    exact = not quantized and _all_float32(a, b) and out_dtype == "float32"
+    exact = pow2_factors and not quantized and _all_float32(a, b) and out_dtype == "float32"
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     a_dtype, b_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
     q = gemms.quantize

@@ -9,6 +9,7 @@ grad scale was measured (`calibrated=`; a weight's guess does not vote).
 """
 
 import functools
+import math
 import string
 
 from keras import ops
@@ -23,6 +24,8 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_calibrated as _check_calibrated
 from keras_scalify.ops._common import check_input
+from keras_scalify.ops._common import is_static_scalar
+from keras_scalify.core.pow2 import np_pow2_decompose
 from keras_scalify.ops._common import grad_factor
 from keras_scalify.ops._common import pow2_mean
 from keras_scalify.ops._common import votes as _votes
@@ -104,16 +107,37 @@ def _contraction_scales(sc, k, size_out, sizes, calibrated):
 
 
 @memoize_scalars
-def _gemm_factors(cs, r):
-    """`(1/r, c_a/r, c_b/r)`: the pow2 factors of the forward GEMM and of
-    the two backward ones (`ops/_gemm.py`)."""
-    inv_r = 1.0 / r
-    return (ops.convert_to_tensor(inv_r),) + tuple(c * inv_r for c in cs)
+def _gemm_factors(cs, r, m=1.0):
+    """`(m/r, c_a·m/r, c_b·m/r)`: the factors of the forward GEMM and of
+    the two backward ones (`ops/_gemm.py`); powers of two for `m = 1`,
+    else `m` is a static multiplier's mantissa (`einsum(multiplier=)`)."""
+    inv_r = ops.convert_to_tensor(1.0 / r)
+    if m != 1.0:
+        inv_r = inv_r * m
+    return (inv_r,) + tuple(c * inv_r for c in cs)
+
+
+@memoize_scalars
+def _multiplied_scales(scale, g, p):
+    """`(scale·p, g/p)`: the rule of `multiply` by a static `k = m·p`."""
+    return scale * p, g / p
+
+
+def _split_multiplier(multiplier):
+    """`(p, m)`, the exact split `multiplier = m·P(multiplier)` of a finite
+    nonzero Python number; None for None (no multiplier)."""
+    if multiplier is None:
+        return None
+    if not is_static_scalar(multiplier):
+        raise TypeError(f"`multiplier` must be a Python number, got {multiplier!r}.")
+    if multiplier == 0 or not math.isfinite(multiplier):
+        raise ValueError(f"`multiplier` must be finite and nonzero, got {multiplier!r}.")
+    return np_pow2_decompose(float(multiplier))
 
 
 def _contract(
     fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=None, quantized=False,
-    calibrated=None,
+    calibrated=None, multiplier=None,
 ):
     """Apply `fn` to the data of `operands` with the contraction rule.
 
@@ -121,17 +145,24 @@ def _contract(
     results) the three GEMMs run under one custom gradient that applies the
     pow2 factors without passes of their own (`ops/_gemm.py`); the output
     data is in `out_dtype`. Otherwise `fn` is differentiated by the backend
-    with `rescale` / `scale_grad` around it (below)."""
+    with `rescale` / `scale_grad` around it (below). `multiplier` (with
+    `gemms` only): see `einsum`."""
     sc = tuple(scalars(x) for x in operands)
     r = static_pow2_sqrt(k)
     size_out = static_count(out_shape)
     sizes = _sizes(operands)
     scale, g, cs = _contraction_scales(sc, k, size_out, sizes, calibrated)
+    split = _split_multiplier(multiplier)
+    if split is not None and gemms is None:
+        raise ValueError("`multiplier` is folded into the GEMMs' factors only.")
     if gemms is not None:
+        p, m = split or (1.0, 1.0)
         out = scaled_gemms(
-            gemms, *(x.data for x in operands), _gemm_factors(cs, r), out_shape, out_dtype,
-            quantized,
+            gemms, *(x.data for x in operands), _gemm_factors(cs, r, m), out_shape, out_dtype,
+            quantized, pow2_factors=m == 1.0,
         )
+        if split is not None:
+            scale, g = _multiplied_scales(scale, g, p)
         return ScaledTensor(out, scale, g)
     beta = 1.0 / static_pow2_sqrt(_backward_sizes(sizes, k, size_out)[0])
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
@@ -340,22 +371,28 @@ def _expand_ellipsis(term, ndim, free):
     return term.replace("...", "".join(next(free) for _ in range(n)))
 
 
-def einsum(subscripts, *operands, out_dtype=None, calibrated=None):
+def einsum(subscripts, *operands, out_dtype=None, calibrated=None, multiplier=None):
     """Rule: `s = Π s_i · P(sqrt(K))`, `d = einsum(data)/P(sqrt(K))`.
 
     K is the product of the sizes of the indices summed out (in an input,
     not in the output). `out_dtype` (ScaledTensor operands): the data dtype
     of the result, default the operands' result dtype; "float32" keeps the
     GEMM's float32 accumulator for float32 work that follows. `calibrated`:
-    as in `matmul`.
+    as in `matmul`. `multiplier` (ours; a finite nonzero Python number
+    `k = m·P(k)`): the result is `multiply(einsum(...), k)`, with that
+    rule's scales (`s·P(k)`, `g/P(k)`); where the two-operand GEMMs run as
+    one custom gradient, `m` joins their factors (no pass of its own, each
+    way: attention's `1/sqrt(d)`).
     """
     if not isinstance(subscripts, str):
         raise TypeError(f"`subscripts` must be a string, got {subscripts!r}.")
     for i, x in enumerate(operands):
         check_input(f"operands[{i}]", x)
     out_dtype = _check_out_dtype(out_dtype)
+    _split_multiplier(multiplier)  # checks it early
     if not any(is_scaled(x) for x in operands):
         out = ops.einsum(subscripts, *operands)
+        out = out if multiplier is None else ops.multiply(out, multiplier)
         return out if out_dtype is None else ops.cast(out, out_dtype)
     like = next(x for x in operands if is_scaled(x))
     xs = same_dtype([promote(x, like, f"operands[{i}]") for i, x in enumerate(operands)])
@@ -369,9 +406,14 @@ def einsum(subscripts, *operands, out_dtype=None, calibrated=None):
     if extra and out_dtype is not None:
         extra["out_dtype"] = out_dtype
     calibrated = _check_calibrated(calibrated, len(xs))
-    out = _contract(fn, xs, k, out_shape, calibrated=calibrated, **extra)
+    folded = multiplier if "gemms" in extra else None
+    out = _contract(fn, xs, k, out_shape, calibrated=calibrated, multiplier=folded, **extra)
     if out_dtype is not None and out.dtype != out_dtype:
         out = _cast(out, out_dtype)
+    if multiplier is not None and folded is None:
+        from keras_scalify.ops.arithmetic import multiply
+
+        out = multiply(out, multiplier)
     return out
 
 

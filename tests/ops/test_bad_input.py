@@ -125,6 +125,14 @@ def test_einsum_with_non_string_subscripts_raises_type_error():
         kops.einsum(["ij", "jk"], sc(), sc())
 
 
+@pytest.mark.parametrize(
+    "multiplier, error", [(0.0, ValueError), (float("inf"), ValueError), ("2", TypeError)]
+)
+def test_einsum_with_bad_multiplier_raises_naming_it(multiplier, error):
+    with raises(error, "multiplier"):
+        kops.einsum("ij,jk->ik", sc(), sc(), multiplier=multiplier)
+
+
 def test_where_with_scaled_condition_raises_type_error():
     cond = ksc.as_scaled(np.ones((2, 2), np.float32))
     with raises(TypeError, "condition"):

@@ -45,6 +45,13 @@ OPS = [
         2,
         None,
     ),
+    (
+        "einsum_multiplier",
+        lambda a, b: ksc.ops.einsum("ij,kj->ik", a, b, multiplier=-0.3),
+        lambda a, b: ops.einsum("ij,kj->ik", a, b) * -0.3,
+        2,
+        None,
+    ),
     ("sum", lambda a: ksc.ops.sum(a, axis=1), lambda a: ops.sum(a, axis=1), 1, None),
     ("mean", lambda a: ksc.ops.mean(a, axis=0), lambda a: ops.mean(a, axis=0), 1, None),
     ("max", lambda a: ksc.ops.max(a, axis=1), lambda a: ops.max(a, axis=1), 1, None),

@@ -652,6 +652,26 @@ def test_multiply_by_0p1_is_an_exact_decomposition(run):
     np.testing.assert_allclose(to_np(out), np.array([0.4, 1.2, -2.8]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("k", [1.0 / math.sqrt(32.0), -0.3, 4.0])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_einsum_multiplier_is_multiply_by_the_constant(run, k, dtype):
+    # einsum(multiplier=k) has the scale and grad scale of multiply(einsum, k);
+    # its data is the same product rounded once (k's mantissa joins the GEMM
+    # factor), so within one rounding of the composition's.
+    rng = np.random.default_rng(0)
+    q = st(rng.standard_normal((2, 3, 4, 8)), 0.5, dtype, grad_scale=2.0**-3)
+    key = st(rng.standard_normal((2, 3, 5, 8)), 4.0, dtype, grad_scale=2.0**5)
+    eq = "bhqd,bhkd->bhqk"
+    fused = run(lambda a, b: kops.einsum(eq, a, b, out_dtype="float32", multiplier=k), q, key)
+    composed = run(lambda a, b: kops.einsum(eq, a, b, out_dtype="float32") * k, q, key)
+    assert scale_of(fused) == scale_of(composed) == 0.5 * 4.0 * 2.0 * 2.0 ** math.floor(math.log2(abs(k)))
+    assert grad_scale_of(fused) == grad_scale_of(composed)
+    assert fused.dtype == composed.dtype == "float32"
+    np.testing.assert_allclose(data_of(fused), data_of(composed), rtol=2e-7, atol=0)
+    expected = np.einsum(eq, to_np(q), to_np(key)) * k
+    np.testing.assert_allclose(to_np(fused), expected, rtol=1e-5 if dtype == "float32" else 1e-2)
+
+
 @pytest.mark.parametrize("op", ["add", "multiply", "maximum", "matmul"])
 def test_plain_tensor_counts_as_scale_1(run, op):
     a = st([[1.0, -2.0], [3.0, 4.0]], 16)
