@@ -46,6 +46,12 @@ over trailing axes with `inv_q = 1` and host-known factors: torch's
 one `native_layer_norm_backward` (the composition: 4 nodes, ~9 passes
 each way); elsewhere None, and the caller composes the rules.
 
+**Masked softmax** `masked_softmax(a, mask, fill, (sa, inv_out, back))`:
+attention's masked scores through the rules of `where`, `softmax` and
+`where`. Torch, on the CPU where no row is fully masked: one node (one
+`where`, torch's softmax and its fused backward) instead of ~5 passes each
+way; elsewhere None, and the caller composes the rules.
+
 **Product with cotangent factors** `scaled_product(a, ca, b, cb)`: `a·b`
 with backward `cotangent·b·ca` and `cotangent·a·cb` (the rule of
 `multiply`), float32 data. Torch: the factor is applied to the smaller
@@ -325,6 +331,50 @@ if TORCH:
             return None
         return _AffineNormalize.apply(a, gamma, beta, eps, (fa, fb) + c)
 
+    class _MaskedSoftmax(torch.autograd.Function):
+        """`masked_softmax` as one node: one `where`, torch's softmax and
+        its fused backward, the factors in place."""
+
+        @staticmethod
+        def forward(ctx, a, mask, fill, sa, inv_out, back):
+            u = torch.where(mask, a, fill)
+            if sa != 1.0:
+                u.mul_(sa)
+            p = torch.softmax(u, -1)
+            ctx.save_for_backward(p)
+            ctx.back = back
+            return p * inv_out if inv_out != 1.0 else p.clone()
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            (p,) = ctx.saved_tensors
+            ga = torch._softmax_backward_data(g, p, -1, torch.float32)
+            return (ga if ctx.back == 1.0 else ga.mul_(ctx.back)), None, None, None, None, None
+
+    def masked_softmax(a, mask, fill, factors):
+        """`where(mask, softmax(where(mask, a, fill)·sa)·inv_out, 0)` over
+        the last axis, backward `softmax'(g)·back` (the rules of `where`,
+        `softmax` and `where` in a row, attention's masked scores), as one
+        node; None where it does not apply (the caller composes the
+        rules): float32 CPU `a`, a bool `mask` that broadcasts to it and
+        leaves no row fully masked (the last `where` is then the identity,
+        and the masked positions' cotangent is 0 through the softmax's),
+        `factors = (sa, inv_out, back)` normal powers of two known on the
+        host. Measured on the GPT's [16, 4, 64, 64] causal scores, one CPU
+        thread: 0.77 ms forward and backward, against 1.7 for the
+        composition's passes (5 each way)."""
+        if not (applies(a, fill) and a.device.type == "cpu" and mask.dtype == torch.bool):
+            return None
+        if fill.ndim != 0 or torch.broadcast_shapes(mask.shape, a.shape) != a.shape:
+            return None
+        sa, inv_out, back = (S.host_value(f) for f in factors)
+        if not _normal_pow2s((sa, inv_out, back)):
+            return None
+        if not bool(torch.all(torch.any(mask, dim=-1))):
+            return None
+        return _MaskedSoftmax.apply(a, mask, fill, sa, inv_out, back)
+
     def scaled_sum(a, fa, ba, b, fb, bb, sign=1.0):
         """`a·fa + sign·b·fb`; backward `g·ba`, `sign·g·bb` (docstring)."""
         return _ScaledSum.apply(a, fa, ba, b, fb, bb, sign)
@@ -342,6 +392,10 @@ else:
     def applies(*xs):
         """No fused sum or product here: the caller composes the rule."""
         return False
+
+    def masked_softmax(a, mask, fill, factors):
+        """Not fused here (XLA / Grappler fuse the composition)."""
+        return None
 
     def affine_normalize(a, gamma, beta, inv_q, eps, factors):
         """None: the caller composes the rules (XLA / Grappler fuse them)."""

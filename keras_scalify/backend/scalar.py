@@ -539,33 +539,51 @@ if TORCH:
         """A hashable key of `x`'s value (0-d CPU tensors of float32, int32
         or bool without a gradient, Python scalars, None, strings, and
         lists or tuples of those; a tensor's value read with `item()`,
-        which on a CPU is a memory read), or `_MISS`. Each tensor found is
+        which on a CPU is a memory read, or the key a memo stored on the
+        tensor it returned, `_keep`), or `_MISS`. Each tensor found is
         appended to `tensors`. NaN has no key (it equals nothing); -0.0 has
         its own."""
         t = type(x)
         if t is _TENSOR or t is _PARAMETER:
-            code = _KEY_CODES.get(x.dtype)
-            if code is None or x.dim() != 0 or not x.is_cpu or x.requires_grad:
-                return _MISS
-            v = x.item()
+            key = x.__dict__.get(_KEY_ATTR)
+            if key is None:
+                key = _tensor_key(x)
+                if key is _MISS:
+                    return _MISS
             tensors.append(x)
-        elif t is float:
-            code, v = "p", x
-        elif t in _PLAIN_KEYS:
-            return (t, x)
-        elif t is list or t is tuple:
-            keys = tuple([_memo_key(e, tensors) for e in x])
-            for k in keys:
+            return key
+        if t is tuple or t is list:
+            keys = [t]
+            for e in x:
+                k = _memo_key(e, tensors)
                 if k is _MISS:
                     return _MISS
-            return (t, keys)
-        else:
+                keys.append(k)
+            return tuple(keys)
+        if t is float:
+            return _value_key("p", x)
+        if t in _PLAIN_KEYS:
+            return (t, x)
+        return _MISS
+
+    def _tensor_key(x):
+        """`_memo_key` of a tensor, read from it (`_MISS` for other than a
+        0-d CPU float32 / int32 / bool tensor without a gradient)."""
+        code = _KEY_CODES.get(x.dtype)
+        if code is None or x.dim() != 0 or not x.is_cpu or x.requires_grad:
             return _MISS
+        return _value_key(code, x.item())
+
+    def _value_key(code, v):
         if v != v:
             return _MISS
         if v == 0 and code != "b":
             return (code, v, math.copysign(1.0, v))
         return (code, v)
+
+    # The attribute under which a memoized result's tensor keeps its key
+    # (its value never changes: no one writes a memo's results in place).
+    _KEY_ATTR = "_ksc_memo_key"
 
     # The tensors some memo keeps (never written in place).
     _MEMO_TENSORS = weakref.WeakSet()
@@ -586,9 +604,13 @@ if TORCH:
         return t in _PLAIN_KEYS or t is float
 
     def _keep(out):
-        """Record the tensors of a memoized result (`_MEMO_TENSORS`)."""
+        """Record the tensors of a memoized result (`_MEMO_TENSORS`), each
+        with its key (`_memo_key` reads no value from it again)."""
         if type(out) is _TENSOR:
             _MEMO_TENSORS.add(out)
+            key = _tensor_key(out)
+            if key is not _MISS:
+                out.__dict__[_KEY_ATTR] = key
         elif type(out) is list or type(out) is tuple:
             for e in out:
                 _keep(e)

@@ -22,6 +22,12 @@ from keras_scalify.layers.einsum_dense import plain_policy
 from keras_scalify.layers.einsum_dense import plain_shape
 from keras_scalify.layers.merging import ScaledDropout
 from keras_scalify.ops.linalg import operand_grad_scale
+from keras_scalify.ops._common import scalars
+from keras_scalify.ops._common import static_dim
+from keras_scalify.ops.math import _pointwise_factors
+from keras_scalify.ops.nn import _softmax_scales
+from keras_scalify.ops.reduction import pow2_sqrt
+from keras_scalify.backend import fused
 
 # The value masked attention scores take, as in `keras.layers.Softmax`.
 _MASK_VALUE = -1e9
@@ -419,6 +425,23 @@ class ScaledMultiHeadAttention(ScaledLayer):
         flat = sops.reshape(scores, tuple(shape[:-n]) + (-1,))
         return sops.reshape(sops.softmax(flat, axis=-1), shape)
 
+    def _fused_masked_softmax(self, scores, mask, fill):
+        """`_masked_softmax`'s composition with its scales (`where` keeps
+        the scores' scale, as the fill has it; `softmax`'s rule; the last
+        `where` keeps the probabilities') where `backend.fused` runs it
+        as one node; None elsewhere."""
+        n = static_dim(scores.shape[-1])
+        if len(self._norm_axes) != 1 or n is None:
+            return None
+        # (`fused` takes normal pow2 scales only: the fill then has the
+        # scores' scale, `_mask_fill`.)
+        sa, ga = scalars(scores)
+        one = S.float32_scalar(1.0, scores.data)
+        s_out, g_out = _softmax_scales(one, ga, pow2_sqrt(n))
+        back, inv_out = _pointwise_factors(g_out, ga, s_out, one)
+        data = fused.masked_softmax(scores.data, mask, fill.data, (sa, inv_out, back))
+        return None if data is None else ScaledTensor(data, s_out, g_out)
+
     def _masked_softmax(self, scores, attention_mask=None):
         """Softmax of `scores` in float32, masked; float32 probabilities."""
         scores = sops.cast(scores, "float32")
@@ -427,7 +450,11 @@ class ScaledMultiHeadAttention(ScaledLayer):
         axis = -len(self._attention_axes) * 2 - 1
         for _ in range(len(scores.shape) - len(attention_mask.shape)):
             attention_mask = ops.expand_dims(attention_mask, axis=axis)
-        masked = sops.where(attention_mask, scores, self._mask_fill(scores))
+        fill = self._mask_fill(scores)
+        fused_probs = self._fused_masked_softmax(scores, attention_mask, fill)
+        if fused_probs is not None:
+            return fused_probs
+        masked = sops.where(attention_mask, scores, fill)
         probs = self._softmax(masked)
         # Fully masked rows: zeros rather than a uniform distribution.
         return sops.where(attention_mask, probs, 0.0)

@@ -31,6 +31,12 @@ def effective_grad_scale(grad_scale, scale):
 
 
 @S.memoize_scalars
+def _is_calibrated(grad_scale):
+    """`grad_scale > 0`: the stored grad scale is a measurement."""
+    return S.greater(grad_scale, 0.0)
+
+
+@S.memoize_scalars
 def _rebalanced(p, scale):
     """`(1/p, 1, scale·p)` for a weight whose data's max `m` has `p =
     P(m)`; `(1, 1, 0)` for an all-zero (or non-finite) max, whose `p` is 0
@@ -158,7 +164,7 @@ class ScaledVariable:
         all-zero or non-finite gradient). Contractions, `add` and
         `multiply` take it as `calibrated=` so that a guess does not vote
         for the grad scale of their output."""
-        return S.greater(S.stop_gradient(read_tensor(self.grad_scale)), 0.0)
+        return _is_calibrated(S.stop_gradient(read_tensor(self.grad_scale)))
 
     @property
     def value(self):

@@ -345,6 +345,56 @@ def test_mha_return_attention_scores_fully_masked_rows(rng):
     np.testing.assert_allclose(rows[keep.any(-1)], 1.0, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fully_masked_row", [False, True])
+def test_mha_masked_softmax_node_equals_its_composition(fully_masked_row, monkeypatch, rng):
+    """The fused masked softmax (`backend.fused.masked_softmax`: one torch
+    node on eager torch, where no row is fully masked) gives the
+    composition's probabilities, scales and score gradients bit for bit;
+    other backends, and fully masked rows, compose the rules."""
+    from keras_scalify.backend import fused
+
+    layer = ScaledMultiHeadAttention(num_heads=2, key_dim=8)
+    layer(ksc.as_scaled(_randn(rng, (2, 6, 16))), ksc.as_scaled(_randn(rng, (2, 6, 16))))
+    scores = _randn(rng, (2, 2, 6, 6)) * 3.0
+    mask = np.tril(np.ones((6, 6), bool))[None, None] & (rng.random((2, 1, 6, 6)) > 0.3)
+    mask[:, :, :, 0] = True
+    if fully_masked_row:
+        mask[1, 0, 3, :] = False
+    mask = ops.convert_to_tensor(mask)
+    upstream = ops.convert_to_tensor(_randn(rng, (2, 2, 6, 6)))
+    taken = []
+    real = fused.masked_softmax
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    def run(d):
+        x = ksc.as_scaled(d, np.float32(2.0**-3), np.float32(2.0**5))
+        return layer._masked_softmax(x, mask)
+
+    def loss(d):
+        return ops.sum(run(d).data * upstream)
+
+    args = [ops.convert_to_tensor(scores)]
+    monkeypatch.setattr(fused, "masked_softmax", spy)
+    got = run(*args)
+    _, (got_grad,) = kb.value_and_grad(loss)(*args)
+    assert taken[0] == (keras.backend.backend() == "torch" and not fully_masked_row)
+    monkeypatch.setattr(fused, "masked_softmax", lambda *a: None)
+    want = run(*args)
+    _, (want_grad,) = kb.value_and_grad(loss)(*args)
+    assert float(got.scale) == float(want.scale) and float(got.grad_scale) == float(want.grad_scale)
+    np.testing.assert_array_equal(to_np(got.data), to_np(want.data))
+    np.testing.assert_array_equal(to_np(got_grad), to_np(want_grad))
+    assert float(got.scale) == 2.0**-1  # P(1/sqrt(6))
+    rows = to_np(got).sum(-1)
+    kept = np.any(np.broadcast_to(to_np(mask), (2, 2, 6, 6)), -1)
+    np.testing.assert_allclose(rows[kept], 1.0, rtol=1e-5)
+    assert np.all(rows[~kept] == 0.0)
+
+
 def test_mha_padding_mask_matches_keras(rng):
     """Padding of the values as an `attention_mask` (ScaledTensors carry no
     Keras masks): the same as Keras's `value_mask`."""
