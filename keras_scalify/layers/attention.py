@@ -27,6 +27,7 @@ from keras_scalify.ops._common import static_dim
 from keras_scalify.ops.math import _pointwise_factors
 from keras_scalify.ops.nn import _softmax_scales
 from keras_scalify.ops.reduction import pow2_sqrt
+from keras_scalify.ops.rescaling import _chosen_grad_scale
 from keras_scalify.backend import fused
 
 # The value masked attention scores take, as in `keras.layers.Softmax`.
@@ -425,11 +426,22 @@ class ScaledMultiHeadAttention(ScaledLayer):
         flat = sops.reshape(scores, tuple(shape[:-n]) + (-1,))
         return sops.reshape(sops.softmax(flat, axis=-1), shape)
 
-    def _fused_masked_softmax(self, scores, mask, fill):
+    def _probs_grad_scale(self, probs, value):
+        """`(g, factor)`: the grad scale of the probabilities predicted from
+        the values' side of the combination (`operand_grad_scale`: their
+        cotangent is `d(out)·vᵀ`; softmax saturates at large scores, and
+        the q/k rules cannot see the values' scale), and the factor that
+        re-expresses their cotangent in the softmax rule's units
+        (`with_grad_scale`)."""
+        g = operand_grad_scale(self._combine_equation, (probs, value), 0)
+        return _chosen_grad_scale(S.stop_gradient(pow2.as_dtype(g, "float32")), scalars(probs)[1])
+
+    def _fused_masked_softmax(self, scores, mask, fill, value=None):
         """`_masked_softmax`'s composition with its scales (`where` keeps
         the scores' scale, as the fill has it; `softmax`'s rule; the last
-        `where` keeps the probabilities') where `backend.fused` runs it
-        as one node; None elsewhere."""
+        `where` keeps the probabilities'; with `value`, `with_grad_scale`,
+        whose factor joins the node's backward one) where `backend.fused`
+        runs it as one node; None elsewhere."""
         n = static_dim(scores.shape[-1])
         if len(self._norm_axes) != 1 or n is None:
             return None
@@ -439,25 +451,36 @@ class ScaledMultiHeadAttention(ScaledLayer):
         one = S.float32_scalar(1.0, scores.data)
         s_out, g_out = _softmax_scales(one, ga, pow2_sqrt(n))
         back, inv_out = _pointwise_factors(g_out, ga, s_out, one)
+        g = g_out
+        if value is not None:
+            g, factor = self._probs_grad_scale(ScaledTensor(scores.data, s_out, g_out), value)
+            back = back * factor
         data = fused.masked_softmax(scores.data, mask, fill.data, (sa, inv_out, back))
-        return None if data is None else ScaledTensor(data, s_out, g_out)
+        return None if data is None else ScaledTensor(data, s_out, g)
 
-    def _masked_softmax(self, scores, attention_mask=None):
-        """Softmax of `scores` in float32, masked; float32 probabilities."""
+    def _masked_softmax(self, scores, attention_mask=None, value=None):
+        """Softmax of `scores` in float32, masked; float32 probabilities.
+        With `value`: their grad scale set from the combination with it
+        (`_probs_grad_scale`)."""
         scores = sops.cast(scores, "float32")
-        if attention_mask is None:
-            return self._softmax(scores)
-        axis = -len(self._attention_axes) * 2 - 1
-        for _ in range(len(scores.shape) - len(attention_mask.shape)):
-            attention_mask = ops.expand_dims(attention_mask, axis=axis)
-        fill = self._mask_fill(scores)
-        fused_probs = self._fused_masked_softmax(scores, attention_mask, fill)
-        if fused_probs is not None:
-            return fused_probs
-        masked = sops.where(attention_mask, scores, fill)
-        probs = self._softmax(masked)
-        # Fully masked rows: zeros rather than a uniform distribution.
-        return sops.where(attention_mask, probs, 0.0)
+        probs = None
+        if attention_mask is not None:
+            axis = -len(self._attention_axes) * 2 - 1
+            for _ in range(len(scores.shape) - len(attention_mask.shape)):
+                attention_mask = ops.expand_dims(attention_mask, axis=axis)
+            fill = self._mask_fill(scores)
+            fused_probs = self._fused_masked_softmax(scores, attention_mask, fill, value)
+            if fused_probs is not None:
+                return fused_probs
+            masked = sops.where(attention_mask, scores, fill)
+            # Fully masked rows: zeros rather than a uniform distribution.
+            probs = sops.where(attention_mask, self._softmax(masked), 0.0)
+        else:
+            probs = self._softmax(scores)
+        if value is None:
+            return probs
+        g, _ = self._probs_grad_scale(probs, value)
+        return sops.with_grad_scale(probs, g)
 
     # --- call -----------------------------------------------------------------
     def _check_inputs(self, query, value, key):
@@ -491,14 +514,11 @@ class ScaledMultiHeadAttention(ScaledLayer):
             self._dot_product_equation, key, query, out_dtype="float32",
             multiplier=self._inverse_sqrt_key_dim,
         )
-        scores = self._masked_softmax(scores, attention_mask)
-        # The probabilities' cotangent is `d(out)·vᵀ`: its grad scale comes
-        # from the values' side of the combination, not from the scores'
-        # (softmax saturates at large scores, and the q/k rules cannot see
-        # the values' scale). Set in float32, before the rounding to the
-        # compute dtype, so the softmax backward converts any ratio.
-        g = operand_grad_scale(self._combine_equation, (scores, value), 0)
-        scores = sops.with_grad_scale(scores, g)
+        # The probabilities' grad scale is set from the values' side of the
+        # combination (`_probs_grad_scale`), in float32, before the
+        # rounding to the compute dtype, so the softmax backward converts
+        # any ratio.
+        scores = self._masked_softmax(scores, attention_mask, value)
         scores = sops.cast(scores, keras.src.backend.standardize_dtype(self.compute_dtype))
         if self._dropout > 0.0:
             final = self._dropout_layer(scores, training=training)

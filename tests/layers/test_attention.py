@@ -345,12 +345,15 @@ def test_mha_return_attention_scores_fully_masked_rows(rng):
     np.testing.assert_allclose(rows[keep.any(-1)], 1.0, rtol=1e-5)
 
 
+@pytest.mark.parametrize("with_value", [False, True])
 @pytest.mark.parametrize("fully_masked_row", [False, True])
-def test_mha_masked_softmax_node_equals_its_composition(fully_masked_row, monkeypatch, rng):
+def test_mha_masked_softmax_node_equals_its_composition(fully_masked_row, with_value, monkeypatch, rng):
     """The fused masked softmax (`backend.fused.masked_softmax`: one torch
     node on eager torch, where no row is fully masked) gives the
-    composition's probabilities, scales and score gradients bit for bit;
-    other backends, and fully masked rows, compose the rules."""
+    composition's probabilities, scales and score gradients bit for bit,
+    with the probabilities' grad scale set from the values
+    (`with_grad_scale`, its factor in the node's backward) or not; other
+    backends, and fully masked rows, compose the rules."""
     from keras_scalify.backend import fused
 
     layer = ScaledMultiHeadAttention(num_heads=2, key_dim=8)
@@ -370,9 +373,11 @@ def test_mha_masked_softmax_node_equals_its_composition(fully_masked_row, monkey
         taken.append(out is not None)
         return out
 
+    value = ksc.as_scaled(_randn(rng, (2, 6, 2, 8)), np.float32(2.0**-2), np.float32(2.0**9))
+
     def run(d):
         x = ksc.as_scaled(d, np.float32(2.0**-3), np.float32(2.0**5))
-        return layer._masked_softmax(x, mask)
+        return layer._masked_softmax(x, mask, value if with_value else None)
 
     def loss(d):
         return ops.sum(run(d).data * upstream)
@@ -389,6 +394,8 @@ def test_mha_masked_softmax_node_equals_its_composition(fully_masked_row, monkey
     np.testing.assert_array_equal(to_np(got.data), to_np(want.data))
     np.testing.assert_array_equal(to_np(got_grad), to_np(want_grad))
     assert float(got.scale) == 2.0**-1  # P(1/sqrt(6))
+    softmax_grad_scale = 2.0**5 * 2.0  # ga·P(sqrt(6))
+    assert (float(got.grad_scale) != softmax_grad_scale) is with_value
     rows = to_np(got).sum(-1)
     kept = np.any(np.broadcast_to(to_np(mask), (2, 2, 6, 6)), -1)
     np.testing.assert_allclose(rows[kept], 1.0, rtol=1e-5)
