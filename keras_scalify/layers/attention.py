@@ -67,13 +67,14 @@ class ScaledMultiHeadAttention(ScaledLayer):
     The same computation as Keras's explicit (non-fused) path: projections
     `query`, `key`, `value` (and `gate` with `use_gate=True`) and
     `attention_output` are `ScaledEinsumDense` sublayers with Keras's
-    equations, weight shapes and names; the query is multiplied by
-    `1/sqrt(key_dim)`, the scores are `einsum(key, query)`, masked (boolean
-    `attention_mask`, `use_causal_mask`, `sliding_window`), normalized by
-    `ksc.ops.softmax` (output scale `P(1/sqrt(n))`), dropped out in
-    training, and combined with the values. With the same weights it gives
-    Keras's outputs and gradients; rows whose every position is masked give
-    zero attention (Keras's explicit path; Keras's fused
+    equations, weight shapes and names; the scores are `einsum(key, query)`
+    times `1/sqrt(key_dim)` (in the GEMMs' factors: `einsum(multiplier=)`),
+    masked (boolean `attention_mask`, `use_causal_mask`, `sliding_window`),
+    normalized by `ksc.ops.softmax` (output scale `P(1/sqrt(n))`; on eager
+    torch the masked softmax is one node, `backend.fused.masked_softmax`),
+    dropped out in training, and combined with the values. With the same
+    weights it gives Keras's outputs and gradients; rows whose every
+    position is masked give zero attention (Keras's explicit path; Keras's fused
     `dot_product_attention` path, taken when `dropout == 0` and no scores
     are returned, differs there).
 
