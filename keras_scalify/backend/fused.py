@@ -274,12 +274,13 @@ if TORCH:
         vectors."""
 
         @staticmethod
-        def forward(ctx, a, gamma, beta, eps, factors):
+        def forward(ctx, a, gamma, beta, eps, factors, state, delayed):
             f_gamma, f_beta, c_input, c_gamma, c_beta = factors
             shape = list(gamma.shape)
             out, mean, rstd = torch.native_layer_norm(a, shape, gamma * f_gamma, beta * f_beta, eps)
             ctx.save_for_backward(a, mean, rstd, gamma)
             ctx.factors = (c_input, c_gamma, c_beta)
+            ctx.delayed = delayed
             return out
 
         @staticmethod
@@ -291,20 +292,29 @@ if TORCH:
             # (The bias argument only has to be defined for its gradient:
             # its values are not read.)
             ga, g_gamma, g_beta = torch.ops.aten.native_layer_norm_backward(
-                g, a, list(gamma.shape), mean, rstd, gamma * c_input, gamma, [need[0], need[1], need[2]]
+                g, a, list(gamma.shape), mean, rstd, gamma * c_input, gamma,
+                [need[0] or need[5], need[1], need[2]],
             )
             if g_gamma is not None:
                 g_gamma = g_gamma.mul_(c_gamma)
             if g_beta is not None:
                 g_beta = g_beta.mul_(c_beta)
-            return ga, g_gamma, g_beta, None, None
+            g_state = None
+            if ctx.delayed is not None:
+                # The delayed rescale of the input: the next grad scale from
+                # the cotangent in its output's units, then the cotangent
+                # re-expressed (in place: the node's own result).
+                k, next_state = ctx.delayed
+                g_state = next_state(ga) if need[5] else None
+                ga = ga if k == 1.0 or not need[0] else ga.mul_(k)
+            return (ga if need[0] else None), g_gamma, g_beta, None, None, g_state, None
 
     def _normal_pow2s(values):
         """Whether every value is a power of two in float32's normal range
         (so that their products below stay exact and finite)."""
         return all(v is not None and 2.0**-126 <= v <= 2.0**127 for v in values)
 
-    def affine_normalize(a, gamma, beta, inv_q, eps, factors):
+    def affine_normalize(a, gamma, beta, inv_q, eps, factors, delayed=None):
         """`normalize(a, trailing axes, inv_q, eps)·gamma·fa + beta·fb`
         (the rules of `layer_normalization`, `multiply` and `add` in a row)
         as one node, or None where it does not apply (the caller composes
@@ -314,9 +324,13 @@ if TORCH:
         backward factors and the product's cotangent factors. Backward:
         `a` gets the layer-norm derivative of `g·ba·gamma·ca`, `gamma`
         `sum(g·xhat)·ba·cb`, `beta` `sum(g)·bb` (the composition's
-        cotangents, with its pow2 factors multiplied together). Measured
-        on the GPT's [16, 64, 128] activations, one CPU thread: the
-        composition runs 4 nodes and ~9 passes each way."""
+        cotangents, with its pow2 factors multiplied together). `delayed =
+        (state, k, next_state)` (`ops.rescaling.delayed_rescale_parts`):
+        the input's delayed gradient rescale runs in the backward too: the
+        state's gradient is `next_state` of the input cotangent, which is
+        then multiplied by `k` in place (a host-known normal power of two;
+        else None). Measured on the GPT's [16, 64, 128] activations, one
+        CPU thread: the composition runs 4 nodes and ~9 passes each way."""
         if not (applies(a, gamma, beta) and a.device.type == "cpu"):
             return None
         n = gamma.ndim
@@ -329,7 +343,14 @@ if TORCH:
         c = (ba * ca, ba * cb, bb)
         if eps is None or not _normal_pow2s(c):
             return None
-        return _AffineNormalize.apply(a, gamma, beta, eps, (fa, fb) + c)
+        state = node_delayed = None
+        if delayed is not None:
+            state, k, next_state = delayed
+            k = S.host_value(k)
+            if not _normal_pow2s((k,)):
+                return None
+            node_delayed = (k, next_state)
+        return _AffineNormalize.apply(a, gamma, beta, eps, (fa, fb) + c, state, node_delayed)
 
     class _MaskedSoftmax(torch.autograd.Function):
         """`masked_softmax` as one node: one `where`, torch's softmax and
@@ -397,7 +418,7 @@ else:
         """Not fused here (XLA / Grappler fuse the composition)."""
         return None
 
-    def affine_normalize(a, gamma, beta, inv_q, eps, factors):
+    def affine_normalize(a, gamma, beta, inv_q, eps, factors, delayed=None):
         """None: the caller composes the rules (XLA / Grappler fuse them)."""
         return None
 

@@ -164,11 +164,15 @@ class ScaledLayerNormalization(_ScaledNorm):
         return self._beta
 
     def call(self, inputs):
-        x = self._rescaled_input(inputs)
-        axes, ndim = self._call_axes(x), len(x.shape)
         # Normalized and scaled in float32, rounded once (`_finish`).
         if self._gamma is not None and self._beta is not None:
-            # One node where the backend fuses it (`affine_layer_normalization`).
+            # One node where the backend fuses it (`affine_layer_normalization`,
+            # the delayed gradient rescale of the input included).
+            x = to_float32(cast_to_compute(self, inputs))
+            axes, ndim = self._call_axes(x), len(x.shape)
+            rescale = None
+            if self.grad_rescale is not None:
+                rescale = (read_tensor(self.grad_scale_state), self.grad_rescale)
             y = affine_layer_normalization(
                 x,
                 self._param(self._gamma, x, axes, ndim),
@@ -176,8 +180,11 @@ class ScaledLayerNormalization(_ScaledNorm):
                 axis=axes,
                 epsilon=self.epsilon,
                 calibrated=(self._gamma.calibrated, self._beta.calibrated),
+                grad_rescale=rescale,
             )
             return self._finish(y)
+        x = self._rescaled_input(inputs)
+        axes, ndim = self._call_axes(x), len(x.shape)
         y = sops.layer_normalization(x, axis=axes, epsilon=self.epsilon)
         if self._gamma is not None:
             y = sops.multiply(

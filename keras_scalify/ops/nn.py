@@ -121,13 +121,20 @@ def _axes(axis):
     return sorted(axis) if isinstance(axis, (list, tuple)) else [axis]
 
 
-def affine_layer_normalization(x, gamma, beta, axis=-1, epsilon=None, calibrated=None):
+def affine_layer_normalization(
+    x, gamma, beta, axis=-1, epsilon=None, calibrated=None, grad_rescale=None
+):
     """`add(multiply(layer_normalization(x, axis, epsilon), gamma, calibrated=(None, cg)),
     beta, calibrated=(None, cb))` for `calibrated = (cg, cb)` (or None):
     the three rules' scales, from their own scale arithmetic. Where
     `backend.fused.affine_normalize` applies (eager torch on the CPU, float32
     data, trailing axes, `q = 1`) the data is one fused node; elsewhere the
-    three ops run. `gamma` and `beta` are ScaledTensors."""
+    three ops run. `gamma` and `beta` are ScaledTensors. `grad_rescale =
+    (state, statistic)`: `x` first goes through `delayed_rescale_grad(x,
+    state, statistic)`, whose re-expression of the cotangent and statistic
+    run inside the fused node's backward where it applies."""
+    from keras_scalify.ops.rescaling import delayed_rescale_grad
+    from keras_scalify.ops.rescaling import delayed_rescale_parts
     from keras_scalify.ops.arithmetic import _product_grad_scales
     from keras_scalify.ops.arithmetic import _sum_scales
     from keras_scalify.ops.arithmetic import add
@@ -139,6 +146,10 @@ def affine_layer_normalization(x, gamma, beta, axis=-1, epsilon=None, calibrated
         import keras
 
         epsilon = keras.config.epsilon()
+    x0, delayed = x, None
+    if grad_rescale is not None:
+        x, state, k, next_state = delayed_rescale_parts(x, *grad_rescale)
+        delayed = (state, k, next_state)
     if is_scaled(x) and is_scaled(gamma) and is_scaled(beta):
         sa, ga = scalars(x)
         inv_q, eps_d, g_n = _normalize_scalars(sa, ga, float(epsilon))
@@ -149,10 +160,12 @@ def affine_layer_normalization(x, gamma, beta, axis=-1, epsilon=None, calibrated
         axes = [ax % len(x.shape) for ax in _axes(axis)]
         if sorted(axes) == list(range(len(x.shape) - len(axes), len(x.shape))):
             out = fused.affine_normalize(
-                x.data, gamma.data, beta.data, inv_q, eps_d, (fa, fb, ba, ca, cgam, bb)
+                x.data, gamma.data, beta.data, inv_q, eps_d, (fa, fb, ba, ca, cgam, bb), delayed
             )
             if out is not None:
                 return ScaledTensor(out, s, g)
+    if grad_rescale is not None:
+        x = delayed_rescale_grad(x0, *grad_rescale)
     y = layer_normalization(x, axis=axis, epsilon=epsilon)
     y = multiply(y, gamma, calibrated=None if calibrated is None else (None, cg))
     return add(y, beta, calibrated=None if calibrated is None else (None, cb))

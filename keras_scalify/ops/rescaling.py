@@ -218,6 +218,24 @@ def delayed_rescale_grad(x, state, statistic="l2"):
     return ScaledTensor(data, x.scale, g_out)
 
 
+def delayed_rescale_parts(x, state, statistic="l2"):
+    """`delayed_rescale_grad(x, state, statistic)` in parts, for a node
+    that runs it inside its own backward (`backend.fused.affine_normalize`):
+    `(x with the grad scale g_out, state, k, next_state)`, where the node
+    multiplies its input cotangent by `k = g_out/ga` and returns
+    `next_state(cotangent before k)` as the state's gradient."""
+    if statistic not in STATISTICS:
+        raise ValueError(
+            f"`statistic` must be one of {STATISTICS}, got {statistic!r}."
+        )
+    x = promote(x, None, "x")
+    _, ga = scalars(x)
+    state = pow2.as_dtype(state, "float32")
+    g_out = _delayed_grad_scale(stop(state), ga)
+    rescaled = ScaledTensor(x.data, x.scale, g_out)
+    return rescaled, state, safe_div(g_out, ga), lambda g: next_grad_scale(g, g_out, statistic)
+
+
 @S.memoize_scalars
 def _delayed_grad_scale(state, ga):
     """`P(state)` where > 0, else `ga`. (`P`: a power of two even when the

@@ -156,17 +156,21 @@ def test_layer_normalization_values_and_gradient_match_float64(axes, s):
 
 # --- affine_layer_normalization (ScaledLayerNormalization's call) -------------
 
+@pytest.mark.parametrize("state", [None, 0.0, 2.0**-9], ids=["no_rescale", "state_0", "state_2^-9"])
 @pytest.mark.parametrize("axes", [[-1], [1, 2], [1]], ids=["last", "last_two", "middle"])
 @pytest.mark.parametrize(
     "s", [2.0**-12, 1.0, 2.0**40], ids=lambda s: f"2^{int(math.log2(s))}"
 )
-def test_affine_layer_normalization_matches_its_three_rules(axes, s):
+def test_affine_layer_normalization_matches_its_three_rules(axes, s, state):
     """`affine_layer_normalization` (one torch node over trailing axes with
     q = 1; the composition elsewhere) gives the values, scales and
     gradients of `layer_normalization`, `multiply(gamma)` and `add(beta)`
     in a row, for gamma and beta far from unit scale, their grad scales
-    calibrated or not."""
+    calibrated or not; with `grad_rescale=(state, "l2")` preceded by
+    `delayed_rescale_grad` (inside the node's backward on torch), the
+    state's gradient (the next grad scale) included."""
     from keras_scalify.ops.nn import affine_layer_normalization
+    from keras_scalify.ops.rescaling import delayed_rescale_grad
 
     rng = np.random.default_rng(2)
     data = (rng.standard_normal((3, 5, 8)) + 20.0 * rng.standard_normal((3, 5, 1))).astype("float32")
@@ -185,25 +189,34 @@ def test_affine_layer_normalization_matches_its_three_rules(axes, s):
             g, b = ksc.ops.reshape(g, bshape), ksc.ops.reshape(b, bshape)
         return g, b
 
-    def fused(d, g, b):
+    def fused(d, g, b, st):
         x = ksc.as_scaled(d, np.float32(s), np.float32(2.0**3))
         g, b = params(g, b)
-        return affine_layer_normalization(x, g, b, axis=axes, epsilon=1e-3, calibrated=calibrated)
+        rescale = None if state is None else (st, "l2")
+        return affine_layer_normalization(
+            x, g, b, axis=axes, epsilon=1e-3, calibrated=calibrated, grad_rescale=rescale
+        )
 
-    def composed(d, g, b):
+    def composed(d, g, b, st):
         x = ksc.as_scaled(d, np.float32(s), np.float32(2.0**3))
+        if state is not None:
+            x = delayed_rescale_grad(x, st, "l2")
         g, b = params(g, b)
         y = ksc.ops.layer_normalization(x, axis=axes, epsilon=1e-3)
         y = ksc.ops.multiply(y, g, calibrated=(None, calibrated[0]))
         return ksc.ops.add(y, b, calibrated=(None, calibrated[1]))
 
-    args = [ops.convert_to_tensor(v) for v in (data, gamma, beta)]
+    st = np.float32(0.0 if state is None else state)
+    args = [ops.convert_to_tensor(v) for v in (data, gamma, beta, st)]
     got, want = fused(*args), composed(*args)
     assert float(got.scale) == float(want.scale) and float(got.grad_scale) == float(want.grad_scale)
     np.testing.assert_allclose(to_np(got.data), to_np(want.data), rtol=1e-5, atol=1e-5)
     loss = lambda f: lambda *a: ops.sum(f(*a).data * upstream)
     _, got_grads = value_and_grad(loss(fused))(*args)
     _, want_grads = value_and_grad(loss(composed))(*args)
-    for g, w in zip(got_grads, want_grads):
+    n = 3 if state is None else 4
+    for g, w in zip(got_grads[:n], want_grads[:n]):
         scale = np.abs(to_np(w)).max()
         np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-4, atol=1e-5 * scale)
+    if state is not None:  # the next grad scale: a power of two, not the old state
+        assert float(to_np(got_grads[3])) > 0 and float(to_np(got_grads[3])) != state
