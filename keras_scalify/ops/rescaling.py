@@ -206,14 +206,7 @@ def delayed_rescale_grad(x, state, statistic="l2"):
     `state` is a float32 scalar tensor read from an
     `overwrite_with_gradient` variable.
     """
-    if statistic not in STATISTICS:
-        raise ValueError(
-            f"`statistic` must be one of {STATISTICS}, got {statistic!r}."
-        )
-    x = promote(x, None, "x")
-    sa, ga = scalars(x)
-    state = pow2.as_dtype(state, "float32")
-    g_out = _delayed_grad_scale(stop(state), ga)
+    x, state, ga, g_out = _delayed_scalars(x, state, statistic)
     data = _DELAYED_FNS[statistic](x.data, state, ga, g_out)
     return ScaledTensor(data, x.scale, g_out)
 
@@ -224,6 +217,14 @@ def delayed_rescale_parts(x, state, statistic="l2"):
     `(x with the grad scale g_out, state, k, next_state)`, where the node
     multiplies its input cotangent by `k = g_out/ga` and returns
     `next_state(cotangent before k)` as the state's gradient."""
+    x, state, ga, g_out = _delayed_scalars(x, state, statistic)
+    rescaled = ScaledTensor(x.data, x.scale, g_out)
+    return rescaled, state, safe_div(g_out, ga), lambda g: next_grad_scale(g, g_out, statistic)
+
+
+def _delayed_scalars(x, state, statistic):
+    """`(x, state, ga, g_out)` of `delayed_rescale_grad`, its arguments
+    checked (`x` as a ScaledTensor, `state` as float32)."""
     if statistic not in STATISTICS:
         raise ValueError(
             f"`statistic` must be one of {STATISTICS}, got {statistic!r}."
@@ -231,9 +232,7 @@ def delayed_rescale_parts(x, state, statistic="l2"):
     x = promote(x, None, "x")
     _, ga = scalars(x)
     state = pow2.as_dtype(state, "float32")
-    g_out = _delayed_grad_scale(stop(state), ga)
-    rescaled = ScaledTensor(x.data, x.scale, g_out)
-    return rescaled, state, safe_div(g_out, ga), lambda g: next_grad_scale(g, g_out, statistic)
+    return x, state, ga, _delayed_grad_scale(stop(state), ga)
 
 
 @S.memoize_scalars
