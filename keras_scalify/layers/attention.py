@@ -27,7 +27,7 @@ from keras_scalify.ops._common import static_dim
 from keras_scalify.ops.math import _pointwise_factors
 from keras_scalify.ops.nn import _softmax_scales
 from keras_scalify.ops.reduction import pow2_sqrt
-from keras_scalify.ops.rescaling import _chosen_grad_scale
+from keras_scalify.ops.rescaling import grad_scale_and_factor
 from keras_scalify.backend import fused
 
 # The value masked attention scores take, as in `keras.layers.Softmax`.
@@ -435,7 +435,7 @@ class ScaledMultiHeadAttention(ScaledLayer):
         re-expresses their cotangent in the softmax rule's units
         (`with_grad_scale`)."""
         g = operand_grad_scale(self._combine_equation, (probs, value), 0)
-        return _chosen_grad_scale(S.stop_gradient(pow2.as_dtype(g, "float32")), scalars(probs)[1])
+        return grad_scale_and_factor(probs, g)
 
     def _fused_masked_softmax(self, scores, mask, fill, value=None):
         """`_masked_softmax`'s composition with its scales (`where` keeps

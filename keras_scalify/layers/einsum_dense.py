@@ -84,12 +84,12 @@ def explicit_equation(equation, ndim):
     return f"{inp.replace('...', dims)},{kernel}->{out.replace('...', dims)}"
 
 
-
 @functools.lru_cache(maxsize=1024)
 def _analyzed(equation, bias_axes, shape, partial_output_shape):
     """Keras's analysis of an EinsumDense equation for an input shape
     (memoized: each call of the layer checks its input with it)."""
     return _analyze_einsum_string(equation, bias_axes, shape, partial_output_shape)
+
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
 class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):

@@ -85,10 +85,15 @@ class _ScaledNorm(ScaledLayer):
         the delayed gradient rescale sits after the float32 cast, so the
         float32 input gradient is rescaled, then rounded once."""
         x = to_float32(cast_to_compute(self, inputs))
-        if self.grad_rescale is not None:
-            state = read_tensor(self.grad_scale_state)
-            x = delayed_rescale_grad(x, state, self.grad_rescale)
-        return x
+        rescale = self._grad_rescale_args()
+        return x if rescale is None else delayed_rescale_grad(x, *rescale)
+
+    def _grad_rescale_args(self):
+        """`(state, statistic)` of the input's delayed gradient rescale, or
+        None without one."""
+        if self.grad_rescale is None:
+            return None
+        return read_tensor(self.grad_scale_state), self.grad_rescale
 
     def _finish(self, y):
         return sops.cast(y, self.compute_dtype)
@@ -170,9 +175,6 @@ class ScaledLayerNormalization(_ScaledNorm):
             # the delayed gradient rescale of the input included).
             x = to_float32(cast_to_compute(self, inputs))
             axes, ndim = self._call_axes(x), len(x.shape)
-            rescale = None
-            if self.grad_rescale is not None:
-                rescale = (read_tensor(self.grad_scale_state), self.grad_rescale)
             y = affine_layer_normalization(
                 x,
                 self._param(self._gamma, x, axes, ndim),
@@ -180,7 +182,7 @@ class ScaledLayerNormalization(_ScaledNorm):
                 axis=axes,
                 epsilon=self.epsilon,
                 calibrated=(self._gamma.calibrated, self._beta.calibrated),
-                grad_rescale=rescale,
+                grad_rescale=self._grad_rescale_args(),
             )
             return self._finish(y)
         x = self._rescaled_input(inputs)

@@ -118,9 +118,11 @@ def _gemm_factors(cs, r, m=1.0):
 
 
 @memoize_scalars
-def _multiplied_scales(scale, g, p):
-    """`(scale·p, g/p)`: the rule of `multiply` by a static `k = m·p`."""
-    return scale * p, g / p
+def _multiplied_scales(scale, g, k):
+    """`(scale·P(k), g/P(k))`: the rule of `multiply` by a static `k`."""
+    from keras_scalify.ops.arithmetic import _static_gs
+
+    return scale * np_pow2_decompose(float(k))[0], _static_gs(g, k, -1)
 
 
 def _split_multiplier(multiplier):
@@ -156,13 +158,13 @@ def _contract(
     if split is not None and gemms is None:
         raise ValueError("`multiplier` is folded into the GEMMs' factors only.")
     if gemms is not None:
-        p, m = split or (1.0, 1.0)
+        _, m = split or (1.0, 1.0)
         out = scaled_gemms(
             gemms, *(x.data for x in operands), _gemm_factors(cs, r, m), out_shape, out_dtype,
             quantized, pow2_factors=m == 1.0,
         )
         if split is not None:
-            scale, g = _multiplied_scales(scale, g, p)
+            scale, g = _multiplied_scales(scale, g, multiplier)
         return ScaledTensor(out, scale, g)
     beta = 1.0 / static_pow2_sqrt(_backward_sizes(sizes, k, size_out)[0])
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a

@@ -146,11 +146,13 @@ def affine_layer_normalization(
         import keras
 
         epsilon = keras.config.epsilon()
+    # (The fused node's scalars, and the delayed rescale's parts, only
+    # where it may run: elsewhere the rules below run once.)
     x0, delayed = x, None
-    if grad_rescale is not None:
-        x, state, k, next_state = delayed_rescale_parts(x, *grad_rescale)
-        delayed = (state, k, next_state)
-    if is_scaled(x) and is_scaled(gamma) and is_scaled(beta):
+    if is_scaled(x) and is_scaled(gamma) and is_scaled(beta) and fused.applies(x.data):
+        if grad_rescale is not None:
+            x, state, k, next_state = delayed_rescale_parts(x, *grad_rescale)
+            delayed = (state, k, next_state)
         sa, ga = scalars(x)
         inv_q, eps_d, g_n = _normalize_scalars(sa, ga, float(epsilon))
         (sg, gg), (sb, gb) = scalars(gamma), scalars(beta)

@@ -167,10 +167,16 @@ def with_grad_scale(x, grad_scale):
             f"`grad_scale` must be a float32 power of two (or 0), got "
             f"{type(grad_scale).__name__} {grad_scale!r:.80}."
         )
-    _, ga = scalars(x)
-    g = stop(pow2.as_dtype(grad_scale, "float32"))
-    g, factor = _chosen_grad_scale(g, ga)
+    g, factor = grad_scale_and_factor(x, grad_scale)
     return ScaledTensor(scale_grad(x.data, factor), x.scale, g)
+
+
+def grad_scale_and_factor(x, grad_scale):
+    """`(g, factor)` of `with_grad_scale(x, grad_scale)`: the grad scale it
+    sets and the factor its backward re-expresses the cotangent by (for a
+    node that applies that factor inside its own backward)."""
+    _, ga = scalars(x)
+    return _chosen_grad_scale(stop(pow2.as_dtype(grad_scale, "float32")), ga)
 
 
 @S.memoize_scalars
