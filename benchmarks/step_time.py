@@ -36,6 +36,7 @@ Rows, each paired with its Keras counterpart:
 | scaled_float32 | scaled, `dtype="scaled_float32"` | `ScaledOptimizer(Adam())` |
 | Keras mixed_float16 | plain, global policy `mixed_float16` | Adam in Keras's `LossScaleOptimizer` (added by `compile`) |
 | scaled_fp16 | scaled, `scaled_fp16` | `ScaledOptimizer(Adam())` |
+| Keras mixed_bfloat16 | plain, global policy `mixed_bfloat16` (the scaled_fp8 rows also give their ratio to it) | Adam |
 | Keras float8 | plain float32, every Dense / EinsumDense `.quantize("float8")` (delayed scaling, E4M3 fwd / E5M2 bwd, simulated by quantize-dequantize) | Adam |
 | scaled_fp8 | scaled, `scaled_fp8` (FP8 GEMMs on `--fp8-route`, default `auto`; FP16 activations and master weights) | `ScaledOptimizer(Adam())` |
 | scaled_fp8, float32 storage | scaled, the FP8 GEMMs of `scaled_fp8` with float32 activations and master weights, as Keras float8 keeps them | `ScaledOptimizer(Adam())` |
@@ -113,11 +114,15 @@ ROWS = [
     ("scaled_float32", "scaled", "scaled_float32", "Keras float32"),
     ("Keras mixed_float16", "keras", "mixed_float16", None),
     ("scaled_fp16", "scaled", "scaled_fp16", "Keras mixed_float16"),
+    ("Keras mixed_bfloat16", "keras", "mixed_bfloat16", None),
     ("Keras float8", "keras_fp8", "float32", None),
     ("scaled_fp8", "scaled", "scaled_fp8", "Keras float8"),
     ("scaled_fp8, float32 storage", "scaled", FP8_FLOAT32_STORAGE, "Keras float8"),
     ("scaled_fp8, simulate route", "scaled", "scaled_fp8", "Keras float8"),
 ]
+# The scaled_fp8 rows also report their ratio to this row where it ran (on
+# a GPU, bfloat16 mixed precision is what FP8 training has to beat).
+BF16_ROW = "Keras mixed_bfloat16"
 # Rows whose FP8 GEMMs take a fixed route (the others take `--fp8-route`):
 # the simulation runs float32 GEMMs on the dequantized FP8 values, as Keras
 # float8 does.
@@ -464,6 +469,8 @@ def run_model(model_name, args):
             ratio = med[row] / med[counterpart]
             ratio_text = f"{ratio:.2f}x {counterpart}"
             target, met = target_text(row, backend, ratio)
+            if row.startswith("scaled_fp8") and BF16_ROW in med:
+                ratio_text += f"; {med[row] / med[BF16_ROW]:.2f}x {BF16_ROW}"
         else:
             ratio_text = f"n/a ({counterpart} did not run)"
         results[row] = (ms, ratio)

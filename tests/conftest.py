@@ -13,6 +13,25 @@ import keras_scalify as ksc  # noqa: E402
 from keras_scalify import backend as kb  # noqa: E402
 
 
+def _full_float32_gemms():
+    """On a GPU, float32 GEMMs may run on TF32 tensor cores (jax's default
+    precision; cuDNN's convolutions on torch). The tests compare against
+    float64 references at float32 tolerances: they ask for full float32."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        if jax.devices()[0].platform == "gpu":
+            jax.config.update("jax_default_matmul_precision", "highest")
+    elif keras.backend.backend() == "torch":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+_full_float32_gemms()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -61,7 +61,7 @@ def value_and_grad(fn):
 
         def vg(*args):
             args = [
-                torch.as_tensor(a).detach().clone().requires_grad_(True)
+                keras.ops.convert_to_tensor(a).detach().clone().requires_grad_(True)
                 for a in args
             ]
             value = fn(*args)

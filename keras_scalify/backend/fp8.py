@@ -201,7 +201,40 @@ def quantized_float32(x, dtype):
         narrow = getattr(x, "dtype", None) in (torch.float32, torch.float16, torch.bfloat16)
         if narrow and not torch.compiler.is_compiling():
             return _round_torch(x, dtype)
+        if _compiled_cast_saturates_inf(x):
+            return saturating_round(x, dtype)
     return ops.cast(saturating_cast(x, dtype), "float32")
+
+
+def _compiled_cast_saturates_inf(x):
+    """Whether torch is compiling for a CUDA tensor `x`: inductor's Triton
+    casts to FP8 saturate ±inf to ±max there (PTX `cvt...satfinite`, seen
+    on an H100), which would turn a fault into a finite value."""
+    import torch
+
+    return torch.compiler.is_compiling() and getattr(x, "device", None) is not None and x.device.type == "cuda"
+
+
+def _torch_saturating_cast(x, dtype):
+    """`saturating_cast` to an FP8 `dtype` for the torch route; under
+    `torch.compile` on CUDA an E5M2 cast is built from its bits (the
+    float16 of the value rounded to E5M2 is exact, ±inf included, and its
+    top byte is the E5M2 pattern), since the compiled cast would saturate
+    ±inf (`_compiled_cast_saturates_inf`). E4M3 has no inf (±inf and NaN
+    become NaN before the cast)."""
+    if dtype_name(dtype) != "float8_e5m2" or not _compiled_cast_saturates_inf(x):
+        return saturating_cast(x, dtype)
+    return e5m2_from_bits(saturating_round(x, dtype))
+
+
+def e5m2_from_bits(x):
+    """Torch float32 `x` whose values are E5M2 values (±inf and NaN
+    included) as a float8_e5m2 tensor, bit for bit, without an FP8 cast."""
+    import torch
+
+    h = x.to(torch.float16).view(torch.int16)
+    top = torch.bitwise_and(torch.bitwise_right_shift(h, 8), 0xFF)
+    return top.to(torch.uint8).view(torch.float8_e5m2)
 
 
 def _round_torch(x, dtype):
@@ -435,7 +468,7 @@ def _route_gemms(name, equation, fwd, bwd):
             gemm_a = lambda g, b: einsum_f32(grad_a_eq, g, b)
             gemm_b = lambda a, g: einsum_f32(grad_b_eq, a, g)
         else:
-            round_to = saturating_cast
+            round_to = _torch_saturating_cast
             gemm_fwd, gemm_a, gemm_b = _torch_forward, _torch_grad_a, _torch_grad_b
         quantize = tuple((lambda x, d=d: round_to(x, d)) for d in (fwd, fwd, bwd))
         return Gemms(gemm_fwd, gemm_a, gemm_b, quantize)
@@ -460,5 +493,16 @@ def _torch_grad_a(g8, b8):
 
 
 def _torch_grad_b(a8, g8):
-    """`a8ᵀ @ g8` (E4M3 × E5M2) over every leading dimension."""
-    return _torch_mm(a8.reshape(-1, a8.shape[-1]).t(), g8.reshape(-1, g8.shape[-1]))
+    """`a8ᵀ @ g8` (E4M3 × E5M2) over every leading dimension. The
+    contraction runs over the M rows, which `_scaled_mm` needs in
+    multiples of 16: other M are padded with zero rows (exact)."""
+    import torch
+
+    a2, g2 = a8.reshape(-1, a8.shape[-1]), g8.reshape(-1, g8.shape[-1])
+    pad = -a2.shape[0] % 16
+    if pad:  # (as bytes: zero bits are +0 in every FP8 format)
+        a2, g2 = (
+            torch.cat([t.view(torch.uint8), t.new_zeros((pad, t.shape[1]), dtype=torch.uint8)]).view(t.dtype)
+            for t in (a2, g2)
+        )
+    return _torch_mm(a2.t(), g2)

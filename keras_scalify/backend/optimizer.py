@@ -206,7 +206,7 @@ def assign_all(pairs):
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_(
-                        [t for t, _ in pairs], [torch.as_tensor(x) for _, x in pairs]
+                        [t for t, _ in pairs], [torch.as_tensor(x, device=t.device) for t, x in pairs]
                     )
             return
     for variable, value in pairs:

@@ -80,6 +80,7 @@ if TORCH:
     import torch
 
     from keras.src.backend.torch.core import to_torch_dtype as _keras_torch_dtype
+    from keras.src.backend.torch.core import get_device
 
     _DTYPES = {}
     _NUMBERS = (int, float, bool)
@@ -324,7 +325,7 @@ if TORCH:
         of ints): the flat indices of a tensor of that shape, from
         `start`."""
         n = math.prod(shape)
-        return torch.arange(start, start + n, dtype=torch.int32).reshape(shape)
+        return torch.arange(start, start + n, dtype=torch.int32, device=get_device()).reshape(shape)
 
     def _writable(x):
         """Whether an in-place op may write `x`: an eager torch tensor

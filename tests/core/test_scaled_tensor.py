@@ -234,7 +234,7 @@ def test_scaled_tensor_passes_in_and_out_of_a_compiled_function():
         return ScaledTensor(st.data * y, st.scale * 2.0, st.grad_scale)
 
     st = ksc.as_scaled(f32([1.0, -3.0]), 0.5, grad_scale=8.0)
-    out = kb.jit(fn)(st, f32([2.0, 2.0]))
+    out = kb.jit(fn)(st, keras.ops.convert_to_tensor(f32([2.0, 2.0])))
     assert type(out) is ScaledTensor
     assert scale_of(out) == 1.0
     assert grad_scale_of(out) == 8.0
