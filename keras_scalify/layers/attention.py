@@ -9,9 +9,7 @@ from keras.src.layers.attention.multi_head_attention import _build_proj_equation
 from keras.src.layers.attention.multi_head_attention import _get_output_shape
 
 from keras_scalify import ops as sops
-from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
-from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
@@ -21,30 +19,7 @@ from keras_scalify.layers.einsum_dense import check_unsupported
 from keras_scalify.layers.einsum_dense import plain_policy
 from keras_scalify.layers.einsum_dense import plain_shape
 from keras_scalify.layers.merging import ScaledDropout
-from keras_scalify.ops.linalg import operand_grad_scale
-from keras_scalify.ops._common import scalars
-from keras_scalify.ops._common import static_dim
-from keras_scalify.ops.math import _pointwise_factors
-from keras_scalify.ops.nn import _softmax_scales
-from keras_scalify.ops.reduction import pow2_sqrt
-from keras_scalify.ops.rescaling import grad_scale_and_factor
-from keras_scalify.backend import fused
-
-# The value masked attention scores take, as in `keras.layers.Softmax`.
-_MASK_VALUE = -1e9
-# Largest finite float32 magnitude used for the masked data (see
-# `_mask_fill`): a tiny scores scale cannot turn the fill into -inf.
-_F32_MAX = 3.0e38
-
-
-@S.memoize_scalars
-def _mask_fill_scalars(scale, grad_scale):
-    """`(data, scale, grad_scale)` of the mask fill value for scores of
-    this scale (`_mask_fill`)."""
-    s = S.where(S.greater(scale, 0.0), scale, S.ones_like(scale))
-    data = S.maximum(S.divide(_MASK_VALUE, s), -_F32_MAX)
-    return data, s, grad_scale
-
+from keras_scalify.ops.nn import masked_softmax
 
 def _shape_of(x):
     """The shape of a tensor or of a ScaledTensor's data, as a tuple."""
@@ -411,13 +386,6 @@ class ScaledMultiHeadAttention(ScaledLayer):
             )
         return attention_mask
 
-    def _mask_fill(self, scores):
-        """-1e9 represented with the scores' own scale (1 if that is 0), so
-        `where(mask, scores, fill)` keeps the scores' scale; float32 data,
-        clipped to the float32 range for tiny scales."""
-        scale, grad_scale = S.stop_gradient(scores.scale), S.stop_gradient(scores.grad_scale)
-        return ScaledTensor(*_mask_fill_scalars(scale, grad_scale))
-
     def _softmax(self, scores):
         """`ksc.ops.softmax` over the normalized (trailing) axes."""
         n = len(self._norm_axes)
@@ -427,61 +395,19 @@ class ScaledMultiHeadAttention(ScaledLayer):
         flat = sops.reshape(scores, tuple(shape[:-n]) + (-1,))
         return sops.reshape(sops.softmax(flat, axis=-1), shape)
 
-    def _probs_grad_scale(self, probs, value):
-        """`(g, factor)`: the grad scale of the probabilities predicted from
-        the values' side of the combination (`operand_grad_scale`: their
-        cotangent is `d(out)·vᵀ`; softmax saturates at large scores, and
-        the q/k rules cannot see the values' scale), and the factor that
-        re-expresses their cotangent in the softmax rule's units
-        (`with_grad_scale`)."""
-        g = operand_grad_scale(self._combine_equation, (probs, value), 0)
-        return grad_scale_and_factor(probs, g)
-
-    def _fused_masked_softmax(self, scores, mask, fill, value=None):
-        """`_masked_softmax`'s composition with its scales (`where` keeps
-        the scores' scale, as the fill has it; `softmax`'s rule; the last
-        `where` keeps the probabilities'; with `value`, `with_grad_scale`,
-        whose factor joins the node's backward one) where `backend.fused`
-        runs it as one node; None elsewhere."""
-        n = static_dim(scores.shape[-1])
-        if len(self._norm_axes) != 1 or n is None:
-            return None
-        # (`fused` takes normal pow2 scales only: the fill then has the
-        # scores' scale, `_mask_fill`.)
-        sa, ga = scalars(scores)
-        one = S.float32_scalar(1.0, scores.data)
-        s_out, g_out = _softmax_scales(one, ga, pow2_sqrt(n))
-        back, inv_out = _pointwise_factors(g_out, ga, s_out, one)
-        g = g_out
-        if value is not None:
-            g, factor = self._probs_grad_scale(ScaledTensor(scores.data, s_out, g_out), value)
-            back = back * factor
-        data = fused.masked_softmax(scores.data, mask, fill.data, (sa, inv_out, back))
-        return None if data is None else ScaledTensor(data, s_out, g)
-
     def _masked_softmax(self, scores, attention_mask=None, value=None):
-        """Softmax of `scores` in float32, masked; float32 probabilities.
-        With `value`: their grad scale set from the combination with it
-        (`_probs_grad_scale`)."""
+        """Softmax of `scores` in float32, masked (fully masked rows give
+        zeros); float32 probabilities. With `value`: their grad scale set
+        from the combination with it (`ksc.ops.nn.masked_softmax`)."""
         scores = sops.cast(scores, "float32")
-        probs = None
         if attention_mask is not None:
             axis = -len(self._attention_axes) * 2 - 1
             for _ in range(len(scores.shape) - len(attention_mask.shape)):
                 attention_mask = ops.expand_dims(attention_mask, axis=axis)
-            fill = self._mask_fill(scores)
-            fused_probs = self._fused_masked_softmax(scores, attention_mask, fill, value)
-            if fused_probs is not None:
-                return fused_probs
-            masked = sops.where(attention_mask, scores, fill)
-            # Fully masked rows: zeros rather than a uniform distribution.
-            probs = sops.where(attention_mask, self._softmax(masked), 0.0)
-        else:
-            probs = self._softmax(scores)
-        if value is None:
-            return probs
-        g, _ = self._probs_grad_scale(probs, value)
-        return sops.with_grad_scale(probs, g)
+        return masked_softmax(
+            scores, attention_mask, value, self._combine_equation,
+            softmax_fn=None if len(self._norm_axes) == 1 else self._softmax,
+        )
 
     # --- call -----------------------------------------------------------------
     def _check_inputs(self, query, value, key):

@@ -193,16 +193,127 @@ def rms_normalization(x, axis=-1, epsilon=None):
     return _normalize(x, axis, epsilon, center=False)
 
 
-def _attention_probs(logits, bias, mask, is_causal):
-    """Softmax over the last axis of float32 `logits` (B, N, T, S) after
-    `bias` and the masks, as `keras.ops.dot_product_attention` does."""
-    if bias is not None:
-        logits = logits + ops.cast(bias, "float32")
+# The value masked attention scores take, as in `keras.layers.Softmax`.
+MASK_VALUE = -1e9
+# Largest finite float32 magnitude used for the masked data (`mask_fill`):
+# a tiny scores scale cannot turn the fill into -inf.
+_F32_MAX = 3.0e38
+
+
+@S.memoize_scalars
+def _mask_fill_scalars(scale, grad_scale):
+    """`(data, scale, grad_scale)` of the mask fill value for scores of
+    this scale (`mask_fill`)."""
+    s = S.where(S.greater(scale, 0.0), scale, S.ones_like(scale))
+    data = S.maximum(S.divide(MASK_VALUE, s), -_F32_MAX)
+    return data, s, grad_scale
+
+
+def mask_fill(scores):
+    """`MASK_VALUE` represented with the ScaledTensor `scores`' own scale
+    (1 if that is 0), so `where(mask, scores, fill)` keeps the scores'
+    scale; float32 data, clipped to the float32 range for tiny scales."""
+    scale, grad_scale = S.stop_gradient(scores.scale), S.stop_gradient(scores.grad_scale)
+    return ScaledTensor(*_mask_fill_scalars(scale, grad_scale))
+
+
+def _probs_grad_scale(probs, value, combine_equation):
+    """`(g, factor)`: the grad scale of the attention probabilities
+    predicted from the values' side of `einsum(combine_equation, probs,
+    value)` (`operand_grad_scale`: their cotangent is `d(out)·vᵀ`; softmax
+    saturates at large scores, and the q/k rules cannot see the values'
+    scale), and the factor that re-expresses their cotangent in the
+    softmax rule's units (`with_grad_scale`)."""
+    from keras_scalify.ops.linalg import operand_grad_scale
+    from keras_scalify.ops.rescaling import grad_scale_and_factor
+
+    g = operand_grad_scale(combine_equation, (probs, value), 0)
+    return grad_scale_and_factor(probs, g)
+
+
+def _fused_masked_softmax(scores, mask, fill, value, combine_equation):
+    """`masked_softmax`'s composition with its scales (`where` keeps the
+    scores' scale, as the fill has it; `softmax`'s rule over the last
+    axis; the last `where` keeps the probabilities'; with `value`,
+    `with_grad_scale`, whose factor joins the node's backward one) where
+    `backend.fused` runs it as one node (no fully masked row); None
+    elsewhere."""
+    from keras_scalify.ops._common import static_dim
+    from keras_scalify.ops.math import _pointwise_factors
+
+    n = static_dim(scores.shape[-1])
+    if n is None:
+        return None
+    # (`fused` takes normal pow2 scales only: the fill then has the
+    # scores' scale, `mask_fill`.)
+    sa, ga = scalars(scores)
+    one = S.float32_scalar(1.0, scores.data)
+    s_out, g_out = _softmax_scales(one, ga, pow2_sqrt(n))
+    back, inv_out = _pointwise_factors(g_out, ga, s_out, one)
+    g = g_out
+    if value is not None:
+        g, factor = _probs_grad_scale(ScaledTensor(scores.data, s_out, g_out), value, combine_equation)
+        back = back * factor
+    data = fused.masked_softmax(scores.data, mask, fill.data, (sa, inv_out, back))
+    return None if data is None else ScaledTensor(data, s_out, g)
+
+
+def masked_softmax(
+    scores, mask=None, value=None, combine_equation=None, softmax_fn=None, zero_masked_rows=True
+):
+    """Attention probabilities from float32 ScaledTensor `scores`:
+    `softmax_fn(where(mask, scores, fill))` (default: `softmax` over the
+    last axis), `fill` being `MASK_VALUE` with the scores' scale
+    (`mask_fill`: `where` rescales nothing). Rows whose every position is
+    masked give zeros with `zero_masked_rows` (Keras's explicit
+    MultiHeadAttention path) and a uniform row without (Keras's
+    `dot_product_attention`). With `value`: the probabilities' grad scale
+    predicted from `einsum(combine_equation, probs, value)`
+    (`_probs_grad_scale`). On eager torch (CPU), a mask and the default
+    softmax run as one node (`backend.fused.masked_softmax`) where no row
+    is fully masked; the same values, scales and gradients."""
+    from keras_scalify.ops.rescaling import with_grad_scale
+    from keras_scalify.ops.selection import where
+
+    softmax_fn = softmax_fn or softmax
+    if mask is None:
+        probs = softmax_fn(scores)
+    else:
+        fill = mask_fill(scores)
+        if softmax_fn is softmax:
+            fused_probs = _fused_masked_softmax(scores, mask, fill, value, combine_equation)
+            if fused_probs is not None:
+                return fused_probs
+        probs = softmax_fn(where(mask, scores, fill))
+        if zero_masked_rows:
+            probs = where(mask, probs, 0.0)
+    if value is None:
+        return probs
+    g, _ = _probs_grad_scale(probs, value, combine_equation)
+    return with_grad_scale(probs, g)
+
+
+# `dot_product_attention`'s combination of probabilities and values.
+_COMBINE = "bnts,bsnh->btnh"
+
+
+def _attention_keep(logits, mask, is_causal):
+    """The boolean mask of kept logits (B, N, T, S) from `mask` and
+    `is_causal` (a lower-triangular (T, S)), or None."""
     keep = None if mask is None else ops.cast(mask, "bool")
     if is_causal:
         t, s = logits.shape[-2], logits.shape[-1]
         causal = ops.tril(ops.ones((t, s), "bool"))
         keep = causal if keep is None else ops.logical_and(keep, causal)
+    return keep
+
+
+def _attention_probs(logits, bias, mask, is_causal):
+    """Softmax over the last axis of float32 `logits` (B, N, T, S) after
+    `bias` and the masks, as `keras.ops.dot_product_attention` does."""
+    if bias is not None:
+        logits = logits + ops.cast(bias, "float32")
+    keep = _attention_keep(logits, mask, is_causal)
     if keep is not None:
         logits = ops.where(keep, logits, _LARGE_NEGATIVE)
     return ops.softmax(logits, axis=-1)
@@ -224,8 +335,12 @@ def dot_product_attention(
     attn_logits_soft_cap=None,
 ):
     """Rule: logits `einsum(q, k)·scale` by the `einsum` rule (float32
-    data), softmax of their true values in float32 (bias, masks, soft cap
-    as `keras.ops.dot_product_attention`), then `einsum(probs, v)` by the
+    data; `scale` in the GEMMs' factors, `einsum(multiplier=)`); with
+    masks only, `masked_softmax` (fully masked rows uniform, as Keras;
+    the probabilities' grad scale from the values' side; one node on
+    eager torch); with `bias` or a soft cap, the softmax of their true
+    values in float32 (as `keras.ops.dot_product_attention`); then
+    `einsum(probs, v)` by the
     `einsum` rule, rebalanced by `P(S**(1/4))` (S the key length; see
     `ScaledMultiHeadAttention`). Layout (B, T, N, H); fewer key/value heads
     than query heads (grouped-query attention) are repeated.
@@ -236,6 +351,7 @@ def dot_product_attention(
     from keras_scalify.ops.linalg import einsum
     from keras_scalify.ops.math import tanh
     from keras_scalify.ops.rescaling import rebalance
+    from keras_scalify.ops.shape import cast
     from keras_scalify.ops.shape import repeat
 
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -256,13 +372,19 @@ def dot_product_attention(
         value = repeat(value, heads // kv_heads, axis=-2)
     if scale is None:
         scale = 1.0 / float(np.sqrt(query.shape[-1]))
-    logits = einsum("btnh,bsnh->bnts", query, key, out_dtype="float32")
-    logits = multiply(logits, scale)
-    if attn_logits_soft_cap is not None:
-        cap = float(attn_logits_soft_cap)
-        logits = multiply(tanh(multiply(logits, 1.0 / cap)), cap)
-    probs = _attention_probs(to_array(logits), bias, mask, is_causal)
-    out = einsum("bnts,bsnh->btnh", ops.cast(probs, value.dtype), value)
+    logits = einsum("btnh,bsnh->bnts", query, key, out_dtype="float32", multiplier=scale)
+    if bias is None and attn_logits_soft_cap is None:
+        probs = masked_softmax(
+            logits, _attention_keep(logits, mask, is_causal), value, _COMBINE,
+            zero_masked_rows=False,
+        )
+        probs = cast(probs, value.dtype)
+    else:
+        if attn_logits_soft_cap is not None:
+            cap = float(attn_logits_soft_cap)
+            logits = multiply(tanh(multiply(logits, 1.0 / cap)), cap)
+        probs = ops.cast(_attention_probs(to_array(logits), bias, mask, is_causal), value.dtype)
+    out = einsum(_COMBINE, probs, value)
     length = key.shape[-3]
     length = int(length) if isinstance(length, int) else 1
     return rebalance(out, pow2.np_pow2_round_down(max(length, 1) ** 0.25))

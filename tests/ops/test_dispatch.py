@@ -127,6 +127,56 @@ def test_rules_give_true_gradients(rng, name):
         assert_close(a, to_np(b) * s, rtol=rtol, atol_rel=rtol)
 
 
+@pytest.mark.parametrize("fully_masked_row", [False, True])
+def test_dot_product_attention_masked_softmax_node(rng, monkeypatch, fully_masked_row):
+    """With masks only, the rule's masked softmax is one node on eager
+    torch (CPU) where no row is fully masked: output, scales and gradients
+    equal the composition's bit for bit; a fully masked row attends
+    uniformly, as Keras's `dot_product_attention`."""
+    from keras_scalify.backend import fused
+
+    mask = np.tril(np.ones((5, 6), bool), 1)[None, None]
+    if fully_masked_row:
+        mask = np.repeat(mask, 2, axis=0)
+        mask[1, :, 2] = False
+    up = ops.convert_to_tensor(rng.standard_normal((2, 5, 4, 8)).astype("float32"))
+    values = [rng.standard_normal(s).astype("float32") for s in [(2, 5, 4, 8), (2, 6, 4, 8), (2, 6, 4, 8)]]
+    scales = [4.0, 2.0**-3, 2.0**5]
+
+    def run(*datas):
+        q, k, v = (ksc.as_scaled(d, s, 2.0**-2) for d, s in zip(datas, scales))
+        return ops.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+
+    def loss(*datas):
+        return ops.sum(ksc.to_array(run(*datas)) * up)
+
+    args = [ops.convert_to_tensor(v) for v in values]
+    taken = []
+    original = fused.masked_softmax
+
+    def spy(*a):
+        out = original(*a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "masked_softmax", spy)
+    got = run(*args)
+    _, got_grads = kb.value_and_grad(loss)(*args)
+    on_cpu_torch = keras.backend.backend() == "torch" and args[0].device.type == "cpu"
+    assert taken[0] == (on_cpu_torch and not fully_masked_row)
+    monkeypatch.setattr(fused, "masked_softmax", lambda *a: None)
+    want = run(*args)
+    _, want_grads = kb.value_and_grad(loss)(*args)
+    assert float(got.scale) == float(want.scale)
+    np.testing.assert_array_equal(to_np(got.data), to_np(want.data))
+    for a, b in zip(got_grads, want_grads):
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+    # Keras's semantics on the represented values (uniform masked rows).
+    true = (ops.convert_to_tensor(v * np.float32(s)) for v, s in zip(values, scales))
+    plain = ops.dot_product_attention(*true, mask=mask, is_causal=True)
+    assert_close(ksc.to_array(got), plain, rtol=1e-5, atol_rel=1e-5)
+
+
 def test_dot_product_attention_soft_cap(rng):
     """`attn_logits_soft_cap` (plain Keras supports it on TPUs only)
     against the unfused computation on the represented values."""
