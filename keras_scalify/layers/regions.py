@@ -20,9 +20,10 @@ scaled layer:
   one it runs as is. Models and layers holding models open no region:
   their code sees plain values, their composites open their own regions;
 - a *leaf* (no converted layer below) called in a region: a Keras layer
-  gets its ScaledTensor inputs decoded (Dropout: applied to the data, the
-  scale kept); a layer from elsewhere (keras-hub's rotary embeddings and
-  norms, written with `keras.ops`) runs on the ScaledTensors as they are.
+  gets its ScaledTensor inputs decoded (Dropout, and keras-hub's rotary
+  embedding: applied to the data, the scale kept; keras-hub's RMS norms:
+  the `rms_normalization` rule); a layer from elsewhere (written with
+  `keras.ops`) runs on the ScaledTensors as they are.
 """
 
 import contextlib
@@ -89,16 +90,54 @@ def _leaf_call(call):
     return wrapper
 
 
-def _data_call(call):
-    """A layer linear and elementwise in its input (Dropout): applied to
-    a ScaledTensor's data, the scale kept (the same mask, exactly)."""
+def _data_call(call, in_compute_dtype=False):
+    """A layer linear in its input that keeps its RMS (Dropout's mask;
+    keras-hub's rotary embedding, a rotation of feature pairs): applied to
+    a ScaledTensor's data, the scale and grad scale kept. Exact for pow2
+    scales (`L(s·d) = s·L(d)`), and the cotangent `Lᵀ(g)` keeps the grad
+    scale's units. `in_compute_dtype`: the data is cast to the layer's
+    compute dtype for the call (its own tensors are in it) and back."""
 
     @functools.wraps(call)
     def wrapper(inputs, *args, **kwargs):
-        if in_region() and is_scaled(inputs):
-            data = call(inputs.data, *args, **kwargs)
-            return ScaledTensor(data, inputs.scale, inputs.grad_scale)
-        return call(inputs, *args, **kwargs)
+        if not (in_region() and is_scaled(inputs)):
+            return call(inputs, *args, **kwargs)
+        data, dtype = inputs.data, inputs.data.dtype
+        if in_compute_dtype:
+            data = keras.ops.cast(data, call.__self__.compute_dtype)
+        data = call(data, *args, **kwargs)
+        if data.dtype != dtype:
+            data = keras.ops.cast(data, dtype)
+        return ScaledTensor(data, inputs.scale, inputs.grad_scale)
+
+    return wrapper
+
+
+def _cast_data_call(call):
+    """`_data_call` in the layer's compute dtype (keras-hub's layers)."""
+    return _data_call(call, in_compute_dtype=True)
+
+
+def _rms_norm_call(call):
+    """keras-hub's RMS norms of Llama, Mistral and Qwen (`cast(x, float32)
+    · rsqrt(mean(x²) + eps) · scale`, cast to the compute dtype): on a
+    ScaledTensor, the `rms_normalization` rule (unit output scale, `eps`
+    re-expressed in the data's units: exact) times the plain `scale`
+    weight, instead of the six rules of its code."""
+    from keras_scalify import ops as sops
+    from keras_scalify.backend import scalar as S
+
+    layer = call.__self__
+
+    @functools.wraps(call)
+    def wrapper(inputs, *args, **kwargs):
+        if args or kwargs or not (in_region() and is_scaled(inputs)):
+            return call(inputs, *args, **kwargs)
+        x = sops.rms_normalization(sops.cast(inputs, "float32"), axis=-1, epsilon=layer.epsilon)
+        # (The weight read outside the rule's custom gradient: an eager
+        # TensorFlow tape refuses a variable read inside one.)
+        scale = S.variable_value(layer.scale)
+        return sops.cast(sops.multiply(x, scale), layer.compute_dtype)
 
     return wrapper
 
@@ -109,8 +148,17 @@ def _transparent_call(call):
     return call
 
 
-# Keras layers applied to a ScaledTensor's data (see `_data_call`).
+# Layers applied to a ScaledTensor's data (`_data_call`): Keras's, and
+# keras-hub's by (module, class name) (keras-hub is optional; a
+# subclass may change `call`, so only these exact classes).
 _DATA_LAYERS = (keras.layers.Dropout,)
+_DATA_LAYER_NAMES = {("keras_hub.src.layers.modeling.rotary_embedding", "RotaryEmbedding")}
+# keras-hub's RMS norms with a `scale` weight (see `_rms_norm_call`).
+_RMS_NORM_NAMES = {
+    ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm"),
+    ("keras_hub.src.models.mistral.mistral_layer_norm", "MistralLayerNormalization"),
+    ("keras_hub.src.models.qwen.qwen_layernorm", "QwenLayerNorm"),
+}
 
 
 def _kind(layer):
@@ -126,6 +174,11 @@ def _kind(layer):
         return _composite_call
     if type(layer) in _DATA_LAYERS:
         return _data_call
+    name = (type(layer).__module__, type(layer).__name__)
+    if name in _DATA_LAYER_NAMES:
+        return _cast_data_call
+    if name in _RMS_NORM_NAMES:
+        return _rms_norm_call
     if type(layer).__module__.startswith("keras."):
         return _leaf_call
     return _transparent_call

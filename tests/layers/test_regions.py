@@ -135,3 +135,62 @@ def test_unscalify_and_debug_tools_leave_the_wrappers_right(rng):
     assert not any("call" in l.__dict__ for l in model._flatten_layers())
     assert not regions.in_region()
     assert_close(to_np(model(x)), expected, rtol=1e-5, atol_rel=1e-5)
+
+
+def test_keras_hub_rotary_embedding_runs_on_the_data(rng):
+    """keras-hub's RotaryEmbedding (a rotation of feature pairs: linear,
+    RMS kept) runs on a ScaledTensor's data in a region, the scales kept,
+    the data's dtype kept; outside a region it is the plain layer."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from keras_hub.src.layers.modeling.rotary_embedding import RotaryEmbedding
+
+    layer = RotaryEmbedding()
+    assert regions._kind(layer) is regions._cast_data_call
+    call = regions._cast_data_call(layer.call)
+    data = rng.standard_normal((2, 5, 3, 8)).astype("float32")
+    x = ksc.as_scaled(ops.cast(data, "float16"), 2.0**-7, 2.0**3)
+    with regions._region(True):
+        out = call(x)
+    assert ksc.is_scaled(out) and ksc.core.formats.dtype_name(out.data.dtype) == "float16"
+    assert float(out.scale) == 2.0**-7 and float(out.grad_scale) == 2.0**3
+    want = layer(ops.cast(ops.cast(data, "float16"), "float32"))
+    assert_close(to_np(out), to_np(want) * 2.0**-7, rtol=2.0**-10, atol_rel=2.0**-10)
+    plain = call(ops.convert_to_tensor(data))
+    assert_close(to_np(plain), to_np(layer(data)), rtol=0, atol_rel=0)
+    # Subclasses may change `call`: not taken by name.
+    sub = type("MyRotary", (RotaryEmbedding,), {})()
+    assert regions._kind(sub) is regions._transparent_call
+
+
+@pytest.mark.parametrize("name", ["llama.llama_layernorm.LlamaLayerNorm", "qwen.qwen_layernorm.QwenLayerNorm"])
+def test_keras_hub_rms_norms_take_the_rule(rng, name):
+    """keras-hub's RMS norms in a region: the `rms_normalization` rule times
+    the `scale` weight; the represented output and the gradients of the
+    input and of `scale` are the plain layer's."""
+    pytest.importorskip("keras_hub")
+    import importlib
+
+    from keras_scalify import backend as kb
+
+    module, cls = name.rsplit(".", 1)
+    layer = getattr(importlib.import_module(f"keras_hub.src.models.{module}"), cls)(epsilon=1e-5)
+    layer.build((2, 5, 8))
+    layer.scale.assign(rng.standard_normal(8).astype("float32"))
+    assert regions._kind(layer) is regions._rms_norm_call
+    call = regions._rms_norm_call(layer.call)
+    data = rng.standard_normal((2, 5, 8)).astype("float32")
+    up = ops.convert_to_tensor(rng.standard_normal((2, 5, 8)).astype("float32"))
+
+    def scaled_loss(d):
+        with regions._region(True):
+            out = call(ksc.as_scaled(d, 2.0**-20, 2.0**6))
+        assert ksc.is_scaled(out)
+        return ops.sum(ksc.to_array(out) * up)
+
+    def plain_loss(x):
+        return ops.sum(layer.call(x) * up)
+
+    v1, (g1,) = kb.value_and_grad(scaled_loss)(data)
+    v0, (g0,) = kb.value_and_grad(plain_loss)(data * np.float32(2.0**-20))
+    assert_close(v1, v0, rtol=1e-5, atol_rel=1e-5)
+    assert_close(to_np(g1), to_np(g0) * 2.0**-20, rtol=1e-5, atol_rel=1e-5)
