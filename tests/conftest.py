@@ -81,3 +81,19 @@ def assert_close(actual, expected, rtol=1e-6, atol_rel=1e-6):
 def rms(x):
     x = np.asarray(x, dtype=np.float64)
     return float(np.sqrt(np.mean(x * x)))
+
+
+def spy_taken(monkeypatch, module, name):
+    """Wraps `module.name` (a function that returns None where it does not
+    apply); returns the list, filled as it is called, of whether each call
+    applied."""
+    original = getattr(module, name)
+    taken = []
+
+    def spy(*args):
+        out = original(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(module, name, spy)
+    return taken

@@ -14,6 +14,7 @@ from keras_scalify.layers import ScaledMultiHeadAttention
 from tests.conftest import assert_close
 from tests.conftest import data_of
 from tests.conftest import rms
+from tests.conftest import spy_taken
 from tests.conftest import to_np
 
 RTOL = 1e-5
@@ -365,14 +366,6 @@ def test_mha_masked_softmax_node_equals_its_composition(fully_masked_row, with_v
         mask[1, 0, 3, :] = False
     mask = ops.convert_to_tensor(mask)
     upstream = ops.convert_to_tensor(_randn(rng, (2, 2, 6, 6)))
-    taken = []
-    real = fused.masked_softmax
-
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
     value = ksc.as_scaled(_randn(rng, (2, 6, 2, 8)), np.float32(2.0**-2), np.float32(2.0**9))
 
     def run(d):
@@ -383,7 +376,7 @@ def test_mha_masked_softmax_node_equals_its_composition(fully_masked_row, with_v
         return ops.sum(run(d).data * upstream)
 
     args = [ops.convert_to_tensor(scores)]
-    monkeypatch.setattr(fused, "masked_softmax", spy)
+    taken = spy_taken(monkeypatch, fused, "masked_softmax")
     got = run(*args)
     _, (got_grad,) = kb.value_and_grad(loss)(*args)
     # (The node is eager torch's on a CPU.)

@@ -11,6 +11,7 @@ import keras_scalify as ksc
 from keras_scalify import backend as kb
 from keras_scalify.ops import dispatch
 from tests.conftest import assert_close
+from tests.conftest import spy_taken
 from tests.conftest import to_np
 
 
@@ -151,15 +152,7 @@ def test_dot_product_attention_masked_softmax_node(rng, monkeypatch, fully_maske
         return ops.sum(ksc.to_array(run(*datas)) * up)
 
     args = [ops.convert_to_tensor(v) for v in values]
-    taken = []
-    original = fused.masked_softmax
-
-    def spy(*a):
-        out = original(*a)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fused, "masked_softmax", spy)
+    taken = spy_taken(monkeypatch, fused, "masked_softmax")
     got = run(*args)
     _, got_grads = kb.value_and_grad(loss)(*args)
     on_cpu_torch = keras.backend.backend() == "torch" and args[0].device.type == "cpu"
