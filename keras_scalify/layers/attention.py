@@ -21,6 +21,7 @@ from keras_scalify.layers.einsum_dense import plain_shape
 from keras_scalify.layers.merging import ScaledDropout
 from keras_scalify.ops.nn import masked_softmax
 
+
 def _shape_of(x):
     """The shape of a tensor or of a ScaledTensor's data, as a tuple."""
     return tuple((x.data if is_scaled(x) else x).shape)

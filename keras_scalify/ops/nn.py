@@ -16,8 +16,14 @@ from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import promote
 from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import scalars
+from keras_scalify.ops._common import static_dim
 from keras_scalify.core import pow2
+from keras_scalify.ops.linalg import operand_grad_scale
+from keras_scalify.ops.math import _pointwise_factors
 from keras_scalify.ops.math import pointwise
+from keras_scalify.ops.rescaling import grad_scale_and_factor
+from keras_scalify.ops.rescaling import with_grad_scale
+from keras_scalify.ops.selection import where
 from keras_scalify.ops.reduction import pow2_sqrt
 from keras_scalify.ops.reduction import reduced_count
 
@@ -224,9 +230,6 @@ def _probs_grad_scale(probs, value, combine_equation):
     saturates at large scores, and the q/k rules cannot see the values'
     scale), and the factor that re-expresses their cotangent in the
     softmax rule's units (`with_grad_scale`)."""
-    from keras_scalify.ops.linalg import operand_grad_scale
-    from keras_scalify.ops.rescaling import grad_scale_and_factor
-
     g = operand_grad_scale(combine_equation, (probs, value), 0)
     return grad_scale_and_factor(probs, g)
 
@@ -238,9 +241,6 @@ def _fused_masked_softmax(scores, mask, fill, value, combine_equation):
     `with_grad_scale`, whose factor joins the node's backward one) where
     `backend.fused` runs it as one node (no fully masked row); None
     elsewhere."""
-    from keras_scalify.ops._common import static_dim
-    from keras_scalify.ops.math import _pointwise_factors
-
     n = static_dim(scores.shape[-1])
     if n is None:
         return None
@@ -272,9 +272,6 @@ def masked_softmax(
     (`_probs_grad_scale`). On eager torch (CPU), a mask and the default
     softmax run as one node (`backend.fused.masked_softmax`) where no row
     is fully masked; the same values, scales and gradients."""
-    from keras_scalify.ops.rescaling import with_grad_scale
-    from keras_scalify.ops.selection import where
-
     softmax_fn = softmax_fn or softmax
     if mask is None:
         probs = softmax_fn(scores)
