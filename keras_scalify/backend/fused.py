@@ -25,6 +25,12 @@ a float32 scalar `s` whose gradient is not taken. Its derivative in `a` is
   elementwise passes and as many autograd nodes: on the GPT's
   [16, 64, 512] activations (one CPU thread) 2.8 ms forward and backward,
   this node 1.7 ms, Keras's fused GELU 0.36 ms.
+- A GEMM epilogue (a Dense layer's, `ops._gemm.scaled_gemms_plus`) that
+  can fold `s` into its own factors produces `u` itself, where
+  `gate_epilogue(s, kind)` gives the host's `s`: then `gated_value(u, s,
+  kind)` is `f(u)/s` and `gated_value_derivative(grad, u, kind)` the
+  cotangent of `a`, with no pass to form `u` forward or backward (eager
+  torch; elsewhere `gate_epilogue` is None).
 
 **Rescaled sum** `scaled_sum(a, fa, ba, b, fb, bb, sign)`: `a·fa + sign·b·fb`
 with backward `cotangent·ba` and `sign·cotangent·bb` (summed to each
@@ -153,6 +159,42 @@ if TORCH:
         def backward(ctx, grad):
             a, s = ctx.saved_tensors
             return _derivative(grad, a, s, ctx.kind), None, None
+
+    def gate_epilogue(s, kind):
+        """For a GEMM epilogue that can produce `u = a·s` itself (the
+        pow2 `s` folded into its factors): `s` as a Python float where
+        `gated_value` then computes `gated(a, s, kind)` exactly, a scale
+        known on the host in `_GELU_KERNEL_SCALES` (`u` cannot overflow
+        where `a` does not, nor lose bits but where `|a| < 2**-62`);
+        else None."""
+        scale = S.host_value(s)
+        if kind in KINDS and scale is not None and _GELU_KERNEL_SCALES[0] <= scale <= 1.0:
+            return scale
+        return None
+
+    def gated_value(u, scale, kind):
+        """`f(u)/scale` with `f(u) = u·gate(u)`, torch's kernel, without
+        recording a graph: `gated(a, s, kind)` for `u = a·s` and `scale`
+        from `gate_epilogue`."""
+        if kind == "silu":
+            # (As `gated` rounds it: `u·sigmoid(u)`, not torch's SiLU kernel.)
+            out = torch.sigmoid(u).mul_(u)
+        else:
+            approximate = "tanh" if kind == "gelu_tanh" else "none"
+            out = torch.ops.aten.gelu(u, approximate=approximate)
+        return out if scale == 1.0 else out.mul_(1.0 / scale)
+
+    def gated_value_derivative(grad, u, kind):
+        """`grad·f'(u)`, written into `u` (the epilogue's own
+        temporary): the cotangent of `a` from that of `gated_value`'s
+        result, `u = a·s` with `|s| <= 1` (an infinite `u` comes from an
+        infinite `a`, whose NaN derivative propagates the fault)."""
+        if kind == "silu":
+            return torch.ops.aten.silu_backward.grad_input(grad, u, grad_input=u)
+        approximate = "tanh" if kind == "gelu_tanh" else "none"
+        return torch.ops.aten.gelu_backward.grad_input(
+            grad, u, approximate=approximate, grad_input=u
+        )
 
     def gated(a, s, kind):
         """`a·gate(a·s)` (module docstring); `s` gets no gradient."""
@@ -413,6 +455,10 @@ else:
     def applies(*xs):
         """No fused sum or product here: the caller composes the rule."""
         return False
+
+    def gate_epilogue(s, kind):
+        """None: the caller applies `gated` (XLA / Grappler fuse it)."""
+        return None
 
     def masked_softmax(a, mask, fill, factors):
         """Not fused here (XLA / Grappler fuse the composition)."""

@@ -16,6 +16,17 @@ def _gelu_approximate(x):
     return sops.gelu(x, approximate=True)
 
 
+# The gated activations among them, by `backend.fused` kind (a Dense
+# layer's GEMM epilogue may compute them: `ops.linalg.contraction_plus`).
+GATE_KINDS = {_gelu: "gelu", _gelu_approximate: "gelu_tanh", sops.silu: "silu"}
+
+
+def gate_kind(activation):
+    """The `backend.fused` kind of a scaled activation of `ACTIVATIONS`
+    that is gated (GELU, SiLU), else None."""
+    return GATE_KINDS.get(activation)
+
+
 ACTIVATIONS = {
     "linear": None,
     "relu": sops.relu,

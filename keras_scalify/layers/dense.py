@@ -11,6 +11,7 @@ from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops.linalg import contraction_plus
 from keras_scalify.layers.activation import activation_name
+from keras_scalify.layers.activation import gate_kind
 from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.activation import keras_activation
 from keras_scalify.layers.base import KernelBiasMixin
@@ -47,8 +48,9 @@ def matmul_bias_and_activation(layer, subscripts_or_none, x, w, calibrated=None)
     with a bias, where the backend runs each op's passes as they come
     (`backend.fused.applies`: eager torch), the GEMMs and the bias add are
     one custom gradient (`ops.linalg.contraction_plus`, the rules' scales
-    unchanged); XLA and Grappler fuse the composition themselves (on jax
-    the fused node measured ~3% slower on the MLP of `step_time.py`)."""
+    unchanged), with a GELU or SiLU in its epilogue; XLA and Grappler fuse
+    the composition themselves (on jax the fused node measured ~3% slower
+    on the MLP of `step_time.py`)."""
     if layer._bias is not None and _bias_in_gemm(x, w) and all(
         dtype_name(d) == "float32"
         for d in (layer.policy_dtype("matmul_dtype"), layer.policy_dtype("grad_dtype"), layer.compute_dtype)
@@ -57,9 +59,10 @@ def matmul_bias_and_activation(layer, subscripts_or_none, x, w, calibrated=None)
         y = contraction_plus(
             subscripts_or_none, x, w, bias,
             calibrated=_votes(layer, calibrated), c_calibrated=layer._bias.calibrated,
+            activation=layer._act, gate=gate_kind(layer._act),
         )
         if y is not None:
-            return bias_and_activation(layer, y, add_bias=False)
+            return y
     y = policy_matmul(layer, subscripts_or_none, x, w, epilogue=True, calibrated=calibrated)
     return bias_and_activation(layer, y)
 

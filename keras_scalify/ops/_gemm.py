@@ -27,6 +27,7 @@ OPERAND_RATIO = 4
 from keras import ops
 
 from keras_scalify.backend.scalar import dtype_name
+from keras_scalify.backend import fused
 from keras_scalify.backend import scalar as S
 from keras_scalify.core.pow2 import as_dtype
 from keras_scalify.ops._common import _upstream
@@ -61,16 +62,34 @@ def _with_sum_factors(factors, sum_factors):
     return f_out * fa, f_a * ba, f_b * ba
 
 
-def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape):
+@S.memoize_scalars
+def _scaled_by(factors, k):
+    """Each factor times the Python float `k`."""
+    return tuple(f * k for f in factors)
+
+
+def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None):
     """`scaled_gemms(...)·fa + c·fb` as one custom gradient, for float32
     operands and output (a Dense layer's bias add, the `add` rule):
     `sum_factors = (fa, ba, fb, bb)`, the sum's forward and backward
     factors. The sum's factors join the GEMMs' (`fa` the forward one, `ba`
     both backward ones: the cotangent is not rescaled by a pass of its
     own), `c·fb` is added to the GEMM's own result (in place on eager
-    torch), and `c`'s cotangent is `sum_to(g, c.shape)·bb`."""
+    torch), and `c`'s cotangent is `sum_to(g, c.shape)·bb`.
+
+    `gate = (kind, s)`: the gated activation of that rule follows, for the
+    sum's pow2 scale `s` (a Python float from `backend.fused.gate_epilogue`):
+    the forward factors also take `s`, so that the GEMM's own result is the
+    activation's input `u = y·s`, and the node returns `f(u)/s`
+    (`fused.gated_value`); backward, the cotangent of `y` is
+    `fused.gated_value_derivative` of `g` at `u`, written into `u`. No pass
+    forms `u` forward or backward (the composition: one each way)."""
     fa, ba, fb, bb = sum_factors
     f_out, f_a, f_b = _with_sum_factors(tuple(factors), (fa, ba))
+    if gate is not None:
+        f_out, fb = _scaled_by((f_out, fb), gate[1])
+    # The epilogue's `u`, while the backward has not consumed it.
+    saved = {}
     a_shape, b_shape, c_shape = tuple(a.shape), tuple(b.shape), tuple(c.shape)
     need_a, need_b, need_c = S.needs_gradient(a), S.needs_gradient(b), S.needs_gradient(c)
 
@@ -78,6 +97,14 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape):
     def fn(a, b, c, f_out, f_a, f_b, fb, bb):
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
+            if gate is not None:
+                if "u" not in saved:
+                    raise RuntimeError(
+                        "A Dense layer's fused GEMM + activation node was "
+                        "differentiated twice (`retain_graph`): its backward "
+                        "overwrites its saved input. Run the layer again."
+                    )
+                g = fused.gated_value_derivative(g, saved.pop("u"), gate[0])
             ga = gb = gc = None
             if need_a:
                 ga = _apply(gemms.grad_a, g, b, f_a, a_shape, "float32", True)
@@ -88,7 +115,11 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape):
             return ga, gb, gc, None, None, None, None, None
 
         y = _apply(gemms.forward, a, b, f_out, out_shape, "float32", True)
-        return S.add_in_place(y, c if S.is_one(fb) else S.multiply(c, fb)), grad
+        y = S.add_in_place(y, c if S.is_one(fb) else S.multiply(c, fb))
+        if gate is None:
+            return y, grad
+        saved["u"] = y
+        return fused.gated_value(y, gate[1], gate[0]), grad
 
     return fn(a, b, c, f_out, f_a, f_b, fb, bb)
 

@@ -14,6 +14,7 @@ import string
 
 from keras import ops
 
+from keras_scalify.backend.fused import gate_epilogue
 from keras_scalify.backend.gemm import contraction_gemms
 from keras_scalify.backend.scalar import memoize_scalars
 from keras_scalify.backend.gemm import grad_equations
@@ -188,14 +189,21 @@ def _contract(
     return ScaledTensor(out, scale, g)
 
 
-def contraction_plus(subscripts, x, w, c, *, calibrated=None, c_calibrated=None):
+def contraction_plus(
+    subscripts, x, w, c, *, calibrated=None, c_calibrated=None, activation=None, gate=None
+):
     """`add(einsum(subscripts, x, w, calibrated=calibrated), c,
     calibrated=(None, c_calibrated))` (`matmul` for `subscripts=None`),
     with both rules' scales from their own scale arithmetic, as one custom
     gradient (`ops._gemm.scaled_gemms_plus`: no pass of its own for the
     sum's factors), where the GEMMs of `ops/_gemm.py` run it on float32
     data of `x`, `w` and the ScaledTensor `c` (a Dense layer's bias);
-    None otherwise (the caller composes the two ops)."""
+    None otherwise (the caller composes the two ops).
+
+    `activation` (a scaled activation, or None) is applied to the sum;
+    `gate`: its kind when it is a gated one (`backend.fused.KINDS`), which
+    the same node then computes where `backend.fused.gate_epilogue` allows
+    (its rule: scale unchanged, `d = a·gate(a·s)`)."""
     from keras_scalify.ops._gemm import scaled_gemms_plus
     from keras_scalify.ops.arithmetic import _sum_scales
 
@@ -223,11 +231,15 @@ def contraction_plus(subscripts, x, w, c, *, calibrated=None, c_calibrated=None)
     s, g_sum, fa, ba, fb, bb = _sum_scales(
         scale, g, *sc_c, None if c_calibrated is None else [None, c_calibrated]
     )
+    u_scale = None if gate is None else gate_epilogue(s, gate)
     out = scaled_gemms_plus(
         args["gemms"], a.data, b.data, c.data, _gemm_factors(cs, static_pow2_sqrt(k)),
-        (fa, ba, fb, bb), out_shape,
+        (fa, ba, fb, bb), out_shape, gate=None if u_scale is None else (gate, u_scale),
     )
-    return ScaledTensor(out, s, g_sum)
+    y = ScaledTensor(out, s, g_sum)
+    if activation is None or u_scale is not None:
+        return y
+    return activation(y)
 
 
 def _check_out_dtype(out_dtype):

@@ -8,6 +8,7 @@ import pytest
 from keras import ops
 
 import keras_scalify as ksc
+from tests.conftest import spy_taken
 from tests.conftest import to_np
 
 
@@ -240,3 +241,75 @@ def test_layers_take_the_bias_in_gemm_node_on_eager_torch_only(rng, monkeypatch)
     )
     layer(x)
     assert bool(taken) == (keras.config.backend() == "torch")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_approximate", "silu"])
+@pytest.mark.parametrize("x_scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^20"])
+def test_gated_activation_in_the_gemm_epilogue_is_bit_identical(activation, x_scale, rng, monkeypatch):
+    """A float32 Dense / EinsumDense with a GELU or SiLU: on eager torch
+    the GEMM node computes the activation's input `u = y·s` itself where
+    `fused.gate_epilogue` allows (the output scale `s` known on the host,
+    at most 1: taken for the input scale 2^-20 here, not for 2^20), and
+    the output, its scales and every gradient are those of the bias add
+    followed by the activation's rule, bit for bit. Elsewhere it is never
+    taken."""
+    from keras_scalify.ops import linalg
+
+    taken = spy_taken(monkeypatch, linalg, "gate_epilogue")
+    for make, shape in (
+        (lambda: ksc.layers.ScaledDense(24, activation=activation), (3, 5, 16)),
+        (lambda: ksc.layers.ScaledEinsumDense(
+            "abc,cde->abde", output_shape=(None, 4, 8), bias_axes="de", activation=activation), (3, 5, 16)),
+    ):
+        layer = make()
+        x = rng.standard_normal(shape).astype("float32")
+        layer(ksc.as_scaled(x, np.float32(x_scale)))
+        for sv in layer.scaled_weights:
+            if sv.name == "bias":  # at the scale of the product
+                sv.assign(rng.standard_normal(sv.shape).astype("float32") * np.float32(x_scale))
+        up = ops.convert_to_tensor(rng.standard_normal(layer(ksc.as_scaled(x)).data.shape).astype("float32"))
+
+        def run(d, w):
+            y, _ = layer.stateless_call(list(w), [v.value for v in layer.non_trainable_variables],
+                                        ksc.as_scaled(d, np.float32(x_scale)))
+            return y
+
+        def results():
+            args = [ops.convert_to_tensor(x)] + [v.value for v in layer.trainable_variables]
+            y = run(args[0], args[1:])
+            _, grads = ksc.backend.value_and_grad(lambda d, *w: ops.sum(run(d, w).data * up))(*args)
+            return y, grads
+
+        taken.clear()
+        fused, fused_grads = results()
+        folded = keras.config.backend() == "torch" and 2.0**-64 <= float(fused.scale) <= 1.0
+        # (Elsewhere the layers compose the ops: no epilogue is asked for.)
+        torch_backend = keras.config.backend() == "torch"
+        assert taken == [folded] * len(taken) and bool(taken) == torch_backend
+        if x_scale != 1.0:
+            assert folded == (torch_backend and x_scale < 1.0)
+        with monkeypatch.context() as m:
+            m.setattr(linalg, "gate_epilogue", lambda s, kind: None)
+            composed, composed_grads = results()
+        assert float(fused.scale) == float(composed.scale)
+        assert float(fused.grad_scale) == float(composed.grad_scale)
+        np.testing.assert_array_equal(to_np(fused.data), to_np(composed.data))
+        assert len(fused_grads) == len(composed_grads) == 1 + len(layer.trainable_variables)
+        for got, want in zip(fused_grads, composed_grads):
+            np.testing.assert_array_equal(to_np(got), to_np(want))
+
+
+@pytest.mark.skipif(keras.config.backend() != "torch", reason="eager torch's fused node")
+def test_gated_epilogue_node_refuses_a_second_backward(rng):
+    """Its backward writes into the saved `u`: a second backward through
+    the same graph (`retain_graph=True`) raises instead of returning wrong
+    gradients."""
+    import torch
+
+    layer = ksc.layers.ScaledDense(8, activation="gelu")
+    x = torch.tensor(rng.standard_normal((4, 16)).astype("float32"), requires_grad=True)
+    y = layer(ksc.as_scaled(x, np.float32(2.0**-4)))
+    loss = (y.data * y.scale).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        loss.backward()
