@@ -31,7 +31,7 @@ if TORCH:
     import torch
 
 Gemms = collections.namedtuple(
-    "Gemms", ["forward", "grad_a", "grad_b", "quantize"], defaults=(None,)
+    "Gemms", ["forward", "grad_a", "grad_b", "quantize", "layout"], defaults=(None, None)
 )
 Gemms.__doc__ = """The three GEMMs of `y = einsum(eq, a, b)`, each returning
 float32: `forward(a, b)`, `grad_a(g, b)` (the cotangent of `a` from the
@@ -39,7 +39,10 @@ cotangent `g` of `y`) and `grad_b(a, g)`. `quantize`: None, or the
 roundings `(qa, qb, qg)` of the operands and of the cotangent; then the
 GEMMs take operands already rounded, so that `a` and `b` are rounded once
 in the forward (and kept rounded for the backward) and `g` once in the
-backward, instead of once per GEMM."""
+backward, instead of once per GEMM. `layout`: None, or `(la, lb, lg)`,
+applied likewise (after `quantize`): the operands and the cotangent laid
+out once as batches of matrices (`batched_gemms`); the results keep the
+layouts of `y`, `a` and `b`."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -205,7 +208,18 @@ def flattened(gemms_2d, nk):
         gb = gemms_2d.grad_b(a2(a), _reshape(g, (-1, prod(w))))
         return _reshape(gb, tuple(a.shape[len(a.shape) - nk:]) + w)
 
-    return Gemms(forward, grad_a, grad_b, gemms_2d.quantize)
+    # The cotangent made contiguous once (a permuted view arrives from an
+    # attention product): its two reshapes are then views, not two copies.
+    layout = (_same, _same, _contiguous) if TORCH else None
+    return Gemms(forward, grad_a, grad_b, gemms_2d.quantize, layout)
+
+
+def _same(x):
+    return x
+
+
+def _contiguous(x):
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
 
 
 @functools.lru_cache(maxsize=1024)
@@ -226,10 +240,110 @@ def is_2d(equation, nk):
 
 
 def plain_gemms(equation):
-    """`Gemms` of `einsum_f32` for a two-operand `equation`."""
+    """`Gemms` of `einsum_f32` for a two-operand `equation` (on eager
+    torch, `batched_gemms` where it applies)."""
+    if TORCH:
+        gemms = batched_gemms(equation)
+        if gemms is not None:
+            return gemms
     eq_a, eq_b = grad_equations(equation)
     return Gemms(
         lambda a, b: einsum_f32(equation, a, b),
         lambda g, b: einsum_f32(eq_a, g, b),
         lambda a, g: einsum_f32(eq_b, a, g),
     )
+
+
+if TORCH:
+
+    def _laid_out(x, perm, groups):
+        """`x` permuted by `perm` (indices grouped as `groups` counts, e.g.
+        batch, rows, contracted) as float32 whose grouping into a batch of
+        matrices is a view: a copy only where that view does not exist."""
+        if x.dtype != torch.float32:  # (CPU only: `has_float32_gemm`)
+            x = x.to(torch.float32)
+        x = x.permute(perm)
+        x3 = torch.reshape(x, _grouped(x.shape, groups))
+        if x3.data_ptr() == x.data_ptr() and _bmm_strided(x3):
+            return x
+        # (`reshape` copied, or `bmm` would copy on every use.)
+        return x3.contiguous().view(x.shape)
+
+    def _bmm_strided(x3):
+        """Whether `bmm` reads the batch of matrices `x3` without a copy
+        (each matrix row- or column-major, batches strided evenly)."""
+        _, r, c = x3.shape
+        st = x3.stride()
+        return (st[2] == 1 and st[1] >= max(c, 1)) or (st[1] == 1 and st[2] >= max(r, 1))
+
+    def _grouped(shape, groups):
+        out, i = [], 0
+        for n in groups:
+            size = 1
+            for d in shape[i : i + n]:
+                size *= int(d)
+            out.append(size)
+            i += n
+        return out
+
+    @functools.lru_cache(maxsize=1024)
+    def batched_gemms(equation):
+        """`Gemms` of a two-operand einsum with a batch index (in `a`, `b`
+        and the output) or a transposed operand, as `torch.bmm` on batches
+        of matrices (eager torch): `layout` permutes `a` to (batch, rows,
+        contracted), `b` to (batch, contracted, columns) and the cotangent
+        to (batch, rows, columns), copying only where that is not a view,
+        once each; the backward GEMMs read the laid-out operands transposed
+        (`bmm` takes them as they are). `torch.einsum` lays its operands out
+        per call, so each backward einsum copied both of its operands again
+        (the GPT's attention products: 24 copies per backward pass, 8 for
+        Keras's autograd through its einsums). None for a product of
+        matrices in place (`_matrix_product`: `matmul`) or an equation
+        with an index summed within one operand, repeated or elided."""
+        ins, out = equation.replace(" ", "").split("->")
+        a, b = ins.split(",")
+        if _matrix_product(equation) is not None or "." in equation:
+            return None
+        if len(set(a)) != len(a) or len(set(b)) != len(b) or len(set(out)) != len(out):
+            return None
+        batch = [c for c in out if c in a and c in b]
+        rows = [c for c in a if c in out and c not in b]
+        cols = [c for c in b if c in out and c not in a]
+        k = [c for c in a if c in b and c not in out]
+        if len(batch) + len(rows) + len(k) != len(a) or len(batch) + len(k) + len(cols) != len(b):
+            return None
+        if len(batch) + len(rows) + len(cols) != len(out) or not k:
+            return None
+        nb, nm, nk, nn = len(batch), len(rows), len(k), len(cols)
+        perm_a = [a.index(c) for c in batch + rows + k]
+        perm_b = [b.index(c) for c in batch + k + cols]
+        perm_g = [out.index(c) for c in batch + rows + cols]
+        inv = lambda order, term: [order.index(c) for c in term]
+        inv_out = inv(batch + rows + cols, out)
+        inv_a = inv(batch + rows + k, a)
+        inv_b = inv(batch + k + cols, b)
+
+        def forward(a3, b3):
+            y = torch.bmm(a3.reshape(_grouped(a3.shape, (nb, nm, nk))), b3.reshape(_grouped(b3.shape, (nb, nk, nn))))
+            return y.view(tuple(a3.shape[: nb + nm]) + tuple(b3.shape[nb + nk :])).permute(inv_out)
+
+        def grad_a(g3, b3):
+            ga = torch.bmm(
+                g3.reshape(_grouped(g3.shape, (nb, nm, nn))),
+                b3.reshape(_grouped(b3.shape, (nb, nk, nn))).transpose(1, 2),
+            )
+            return ga.view(tuple(g3.shape[: nb + nm]) + tuple(b3.shape[nb : nb + nk])).permute(inv_a)
+
+        def grad_b(a3, g3):
+            gb = torch.bmm(
+                a3.reshape(_grouped(a3.shape, (nb, nm, nk))).transpose(1, 2),
+                g3.reshape(_grouped(g3.shape, (nb, nm, nn))),
+            )
+            return gb.view(tuple(a3.shape[:nb]) + tuple(a3.shape[nb + nm :]) + tuple(g3.shape[nb + nm :])).permute(inv_b)
+
+        layout = (
+            lambda x: _laid_out(x, perm_a, (nb, nm, nk)),
+            lambda x: _laid_out(x, perm_b, (nb, nk, nn)),
+            lambda x: _laid_out(x, perm_g, (nb, nm, nn)),
+        )
+        return Gemms(forward, grad_a, grad_b, None, layout)

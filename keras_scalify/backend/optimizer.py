@@ -27,6 +27,8 @@ things make that work on every backend:
   finite step writes its updates without selects and a skipped one writes
   none (`run_if`); JAX, TensorFlow graphs and `torch.compile` keep the
   tensor.
+- `bound_ghosts`: on eager PyTorch's native update, the ghosts read as
+  the decoded tensors themselves (no scope).
 - `GuardedScope`: a `keras.StatelessScope` whose every recorded update is
   `where(guard, new, old)`. A skipped step then leaves the inner
   optimizer's slots unchanged *within* the update, so its weight update
@@ -118,6 +120,25 @@ def native_updates(optimizer, guard):
             yield True
     finally:
         optimizer.__dict__.update(generic)
+
+
+@contextlib.contextmanager
+def bound_ghosts(pairs):
+    """For eager PyTorch's native update (`native_updates`): each ghost
+    of `(ghost, tensor)` in `pairs` reads as `tensor` itself while the
+    block runs (its storage: Keras's private `Variable._value`, which
+    `Variable.value` returns outside a scope), so the update changes
+    these tensors in place and the optimizer's other variables are updated
+    where they are, with no `StatelessScope` mapping every value (~200
+    per step of the GPT in `benchmarks/step_time.py`, ~0.4 ms of
+    conversions and checks). The ghosts hold no storage again after."""
+    for ghost, tensor in pairs:
+        ghost._value = tensor
+    try:
+        yield
+    finally:
+        for ghost, _ in pairs:
+            ghost._value = None
 
 
 def host_bool(x):

@@ -93,8 +93,13 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None
     a_shape, b_shape, c_shape = tuple(a.shape), tuple(b.shape), tuple(c.shape)
     need_a, need_b, need_c = S.needs_gradient(a), S.needs_gradient(b), S.needs_gradient(c)
 
+    lay = gemms.layout
+
     @ops.custom_gradient
     def fn(a, b, c, f_out, f_a, f_b, fb, bb):
+        if lay is not None:  # laid out once, kept for the backward
+            a, b = lay[0](a), lay[1](b)
+
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
             if gate is not None:
@@ -106,10 +111,11 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None
                     )
                 g = fused.gated_value_derivative(g, saved.pop("u"), gate[0])
             ga = gb = gc = None
+            g_gemm = g if lay is None else lay[2](g)
             if need_a:
-                ga = _apply(gemms.grad_a, g, b, f_a, a_shape, "float32", True)
+                ga = _apply(gemms.grad_a, g_gemm, b, f_a, a_shape, "float32", True)
             if need_b:
-                gb = _apply(gemms.grad_b, a, g, f_b, b_shape, "float32", True)
+                gb = _apply(gemms.grad_b, a, g_gemm, f_b, b_shape, "float32", True)
             if need_c:
                 gc = S.multiply(S.sum_to(g, c_shape), bb)
             return ga, gb, gc, None, None, None, None, None
@@ -142,15 +148,21 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False, po
     # (Eager torch: a cotangent autograd will not ask for is not computed.)
     need_a, need_b = S.needs_gradient(a), S.needs_gradient(b)
 
+    lay = gemms.layout
+
     @ops.custom_gradient
     def fn(a, b, f_out, f_a, f_b):
         if q is not None:  # rounded once, kept for the backward
             a, b = q[0](a), q[1](b)
+        if lay is not None:  # laid out once, kept for the backward
+            a, b = lay[0](a), lay[1](b)
 
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
             if q is not None:
                 g = q[2](g)
+            if lay is not None:
+                g = lay[2](g)
             ga = gb = None
             if need_a:
                 ga = _apply(gemms.grad_a, g, b, f_a, a_shape, a_dtype, exact)

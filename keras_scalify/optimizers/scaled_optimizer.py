@@ -18,6 +18,7 @@ from keras_scalify.backend.optimizer import native_updates
 from keras_scalify.backend.optimizer import owned_gradient
 from keras_scalify.backend.optimizer import GuardedScope
 from keras_scalify.backend.optimizer import assign_all
+from keras_scalify.backend.optimizer import bound_ghosts
 from keras_scalify.backend.optimizer import host_bool
 from keras_scalify.backend.optimizer import run_if
 from keras_scalify.backend.optimizer import FUSE_MIN_ELEMENTS
@@ -393,50 +394,67 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         else:
             factors = state.rescale_factors([read_tensor(sv.data) for sv, _, _ in weights], rescale)
             new_scales = [scale * k for (_, _, scale), k in zip(weights, factors)]
-        inner_real = [v for v in inner.variables if not is_ghost(v)]
         with native_updates(inner, guard) as native:
             # The native update owns what it updates: float32 data is
             # decoded in place in its variable, updated there and
             # re-encoded there (no weight-sized temporary, no copy back).
+            stored = [read_tensor(sv.data) for sv, _, _ in weights]
             decoded = state.decode_all(
-                [read_tensor(sv.data) for sv, _, _ in weights],
+                stored,
                 [scale for _, _, scale in weights],
                 [native and sv.master_dtype == "float32" for sv, _, _ in weights],
             )
-            mapping = [(ghost, value) for (_, ghost, _), value in zip(weights, decoded)]
-            mapping += [(v, read_tensor(v)) for kind, _, v in self._entries if kind == "plain"]
-            mapping += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
-            mapping += [(v, read_tensor(v)) for v in inner_real]
-            # Every value the inner optimizer writes is already selected by
-            # `guard`; only re-encoded values are selected again.
-            with GuardedScope(guard, state_mapping=mapping, initialize_variables=False) as scope:
-                inner.apply(inner_grads, self._inner_vars)
+            ghosts = [(ghost, value) for (_, ghost, _), value in zip(weights, decoded)]
+            ghosts += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
+            if native:
+                # The ghosts are these tensors; the plain and the inner
+                # optimizer's own variables are updated where they are.
+                with bound_ghosts(ghosts):
+                    inner.apply(inner_grads, self._inner_vars)
+                values = {id(ghost): value for ghost, value in ghosts}
+                new_of = lambda ghost: values[id(ghost)]
+            else:
+                inner_real = [v for v in inner.variables if not is_ghost(v)]
+                mapping = ghosts + [(v, read_tensor(v)) for kind, _, v in self._entries if kind == "plain"]
+                mapping += [(v, read_tensor(v)) for v in inner_real]
+                # Every value the inner optimizer writes is already selected
+                # by `guard`; only re-encoded values are selected again.
+                with GuardedScope(guard, state_mapping=mapping, initialize_variables=False) as scope:
+                    inner.apply(inner_grads, self._inner_vars)
+                new_of = scope.get_current_value
             # (Still native: the re-encoding may write in place.)
-            new = scope.get_current_value
 
             def commit(var, value):
                 return var, (value if guard is True else ops.where(guard, value, read_tensor(var)))
 
             encoded = state.encode_weights(
-                [new(ghost) for _, ghost, _ in weights],
+                [new_of(ghost) for _, ghost, _ in weights],
                 new_scales,
                 [sv.master_dtype for sv, _, _ in weights],
                 self._rounding_keys(weights),
                 owned=guard is True and native,
             )
             writes = []
-            for (sv, _, _), (data, scale) in zip(weights, encoded):
-                writes += [commit(sv.data, data), commit(sv.scale, scale)]
-            for kind, _, v in self._entries:
-                if kind == "plain":
-                    writes.append((v, new(v)))
+            for (sv, _, old_scale), (data, scale), src in zip(weights, encoded, stored):
+                # (Natively, float32 data was re-encoded in its own tensor,
+                # and a scale the host sees unchanged is not written.)
+                if not (native and data is src):
+                    writes.append(commit(sv.data, data))
+                known = S.host_value(old_scale) if native else None
+                if known is None or S.host_value(scale) != known:
+                    writes.append(commit(sv.scale, scale))
+            if not native:
+                writes += [(v, new_of(v)) for kind, _, v in self._entries if kind == "plain"]
+                writes += [(v, new_of(v)) for v in inner_real]
             for ghost, d, s in self._slots:
-                data, scale = state.encode_slot(new(ghost), self._resolved_state_dtype)
-                if s is None:  # float32: stored as computed
-                    writes.append((d, data))
+                data, scale = state.encode_slot(new_of(ghost), self._resolved_state_dtype)
+                # float32: stored as computed (natively, its own tensor was
+                # the ghost, updated in place).
+                if s is None:
+                    if not native:
+                        writes.append((d, data))
                     continue
                 writes += [commit(d, data), commit(s, scale)]
-            writes += [(v, new(v)) for v in inner_real]
             assign_all(writes)
 
     def _rounding_keys(self, weights):
