@@ -45,21 +45,25 @@ def _bias_in_gemm(x, w):
 def matmul_bias_and_activation(layer, subscripts_or_none, x, w, calibrated=None):
     """`bias_and_activation(layer, policy_matmul(layer, subscripts_or_none,
     x, w, epilogue=True, calibrated=calibrated))`. Under a float32 policy
-    with a bias, where the backend runs each op's passes as they come
-    (`backend.fused.applies`: eager torch), the GEMMs and the bias add are
-    one custom gradient (`ops.linalg.contraction_plus`, the rules' scales
-    unchanged), with a GELU or SiLU in its epilogue; XLA and Grappler fuse
+    with a bias or a GELU / SiLU, where the backend runs each op's passes
+    as they come (`backend.fused.applies`: eager torch), the GEMMs, the
+    bias add and the activation are one custom gradient
+    (`ops.linalg.contraction_plus`, the rules' scales unchanged); XLA and Grappler fuse
     the composition themselves (on jax the fused node measured ~3% slower
     on the MLP of `step_time.py`)."""
-    if layer._bias is not None and _bias_in_gemm(x, w) and all(
+    gate = gate_kind(layer._act)
+    if (layer._bias is not None or gate is not None) and _bias_in_gemm(x, w) and all(
         dtype_name(d) == "float32"
         for d in (layer.policy_dtype("matmul_dtype"), layer.policy_dtype("grad_dtype"), layer.compute_dtype)
     ):
-        bias = sops.cast(layer._bias.read(rebalance=True), "float32")
+        bias = None
+        if layer._bias is not None:
+            bias = sops.cast(layer._bias.read(rebalance=True), "float32")
         y = contraction_plus(
             subscripts_or_none, x, w, bias,
-            calibrated=_votes(layer, calibrated), c_calibrated=layer._bias.calibrated,
-            activation=layer._act, gate=gate_kind(layer._act),
+            calibrated=_votes(layer, calibrated),
+            c_calibrated=None if bias is None else layer._bias.calibrated,
+            activation=layer._act, gate=gate,
         )
         if y is not None:
             return y

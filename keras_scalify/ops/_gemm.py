@@ -62,6 +62,18 @@ def _with_sum_factors(factors, sum_factors):
     return f_out * fa, f_a * ba, f_b * ba
 
 
+def _gate_derivative(g, saved, gate):
+    """The cotangent of the GEMM's result `u` from that of the gated
+    value (`fused.gated_value_derivative`, written into `u`)."""
+    if "u" not in saved:
+        raise RuntimeError(
+            "A Dense layer's fused GEMM + activation node was differentiated "
+            "twice (`retain_graph`): its backward overwrites its saved "
+            "input. Run the layer again."
+        )
+    return fused.gated_value_derivative(g, saved.pop("u"), gate[0])
+
+
 @S.memoize_scalars
 def _scaled_by(factors, k):
     """Each factor times the Python float `k`."""
@@ -103,13 +115,7 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
             if gate is not None:
-                if "u" not in saved:
-                    raise RuntimeError(
-                        "A Dense layer's fused GEMM + activation node was "
-                        "differentiated twice (`retain_graph`): its backward "
-                        "overwrites its saved input. Run the layer again."
-                    )
-                g = fused.gated_value_derivative(g, saved.pop("u"), gate[0])
+                g = _gate_derivative(g, saved, gate)
             ga = gb = gc = None
             g_gemm = g if lay is None else lay[2](g)
             if need_a:
@@ -130,7 +136,9 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None
     return fn(a, b, c, f_out, f_a, f_b, fb, bb)
 
 
-def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False, pow2_factors=True):
+def scaled_gemms(
+    gemms, a, b, factors, out_shape, out_dtype, quantized=False, pow2_factors=True, gate=None
+):
     """Forward `gemms.forward(a, b)·f_out` in `out_dtype`; the cotangents of
     `a` and `b` are `grad_a(g, b)·f_a` and `grad_b(a, g)·f_b` in their
     dtypes. `factors = (f_out, f_a, f_b)`: float32 scalar tensors, powers
@@ -139,8 +147,13 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False, po
     either case a factor is never moved onto an operand (it would not
     commute with the rounding). With `gemms.quantize`, `a` and `b` are
     rounded once in the forward and `g` once in the backward
-    (`backend.gemm.Gemms`)."""
+    (`backend.gemm.Gemms`). `gate`: as in `scaled_gemms_plus` (float32
+    operands and output)."""
     out_dtype = dtype_name(out_dtype)
+    f_out, f_a, f_b = factors
+    if gate is not None:
+        (f_out,) = _scaled_by((f_out,), gate[1])
+    saved = {}
     exact = pow2_factors and not quantized and _all_float32(a, b) and out_dtype == "float32"
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     a_dtype, b_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
@@ -159,6 +172,8 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False, po
 
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
+            if gate is not None:
+                g = _gate_derivative(g, saved, gate)
             if q is not None:
                 g = q[2](g)
             if lay is not None:
@@ -170,6 +185,10 @@ def scaled_gemms(gemms, a, b, factors, out_shape, out_dtype, quantized=False, po
                 gb = _apply(gemms.grad_b, a, g, f_b, b_shape, b_dtype, exact)
             return ga, gb, None, None, None
 
-        return _apply(gemms.forward, a, b, f_out, out_shape, out_dtype, exact), grad
+        y = _apply(gemms.forward, a, b, f_out, out_shape, out_dtype, exact)
+        if gate is None:
+            return y, grad
+        saved["u"] = y
+        return fused.gated_value(y, gate[1], gate[0]), grad
 
-    return fn(a, b, *factors)
+    return fn(a, b, f_out, f_a, f_b)

@@ -197,8 +197,9 @@ def contraction_plus(
     with both rules' scales from their own scale arithmetic, as one custom
     gradient (`ops._gemm.scaled_gemms_plus`: no pass of its own for the
     sum's factors), where the GEMMs of `ops/_gemm.py` run it on float32
-    data of `x`, `w` and the ScaledTensor `c` (a Dense layer's bias);
-    None otherwise (the caller composes the two ops).
+    data of `x`, `w` and the ScaledTensor `c` (a Dense layer's bias; None:
+    no sum, the contraction alone); None otherwise (the caller composes
+    the ops).
 
     `activation` (a scaled activation, or None) is applied to the sum;
     `gate`: its kind when it is a gated one (`backend.fused.KINDS`), which
@@ -208,10 +209,10 @@ def contraction_plus(
     from keras_scalify.ops.arithmetic import _sum_scales
 
     ab = _operands(x, w)
-    if ab is None or not is_scaled(c):
+    if ab is None or not (c is None or is_scaled(c)):
         return None
     a, b = ab
-    if any(x.dtype != "float32" for x in (a, b, c)):
+    if any(x.dtype != "float32" for x in (a, b) + ((c,) if c is not None else ())):
         return None
     if subscripts is None:
         equation, k = _weight_equation(a, b), _static_k(a.data, "x1")
@@ -227,16 +228,25 @@ def contraction_plus(
     scale, g, cs = _contraction_scales(
         sc, k, static_count(out_shape), _sizes((a, b)), _check_calibrated(calibrated, 2)
     )
-    sc_c = scalars(c)
-    s, g_sum, fa, ba, fb, bb = _sum_scales(
-        scale, g, *sc_c, None if c_calibrated is None else [None, c_calibrated]
-    )
-    u_scale = None if gate is None else gate_epilogue(s, gate)
-    out = scaled_gemms_plus(
-        args["gemms"], a.data, b.data, c.data, _gemm_factors(cs, static_pow2_sqrt(k)),
-        (fa, ba, fb, bb), out_shape, gate=None if u_scale is None else (gate, u_scale),
-    )
-    y = ScaledTensor(out, s, g_sum)
+    factors = _gemm_factors(cs, static_pow2_sqrt(k))
+    if c is None:
+        u_scale = None if gate is None else gate_epilogue(scale, gate)
+        out = scaled_gemms(
+            args["gemms"], a.data, b.data, factors, out_shape, "float32",
+            gate=None if u_scale is None else (gate, u_scale),
+        )
+        y = ScaledTensor(out, scale, g)
+    else:
+        sc_c = scalars(c)
+        s, g_sum, fa, ba, fb, bb = _sum_scales(
+            scale, g, *sc_c, None if c_calibrated is None else [None, c_calibrated]
+        )
+        u_scale = None if gate is None else gate_epilogue(s, gate)
+        out = scaled_gemms_plus(
+            args["gemms"], a.data, b.data, c.data, factors,
+            (fa, ba, fb, bb), out_shape, gate=None if u_scale is None else (gate, u_scale),
+        )
+        y = ScaledTensor(out, s, g_sum)
     if activation is None or u_scale is not None:
         return y
     return activation(y)

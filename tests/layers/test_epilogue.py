@@ -246,7 +246,8 @@ def test_layers_take_the_bias_in_gemm_node_on_eager_torch_only(rng, monkeypatch)
 @pytest.mark.parametrize("activation", ["gelu", "gelu_approximate", "silu"])
 @pytest.mark.parametrize("x_scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^20"])
 def test_gated_activation_in_the_gemm_epilogue_is_bit_identical(activation, x_scale, rng, monkeypatch):
-    """A float32 Dense / EinsumDense with a GELU or SiLU: on eager torch
+    """A float32 Dense / EinsumDense with a GELU or SiLU, with or without a
+    bias: on eager torch
     the GEMM node computes the activation's input `u = y·s` itself where
     `fused.gate_epilogue` allows (the output scale `s` known on the host,
     at most 1: taken for the input scale 2^-20 here, not for 2^20), and
@@ -258,6 +259,7 @@ def test_gated_activation_in_the_gemm_epilogue_is_bit_identical(activation, x_sc
     taken = spy_taken(monkeypatch, linalg, "gate_epilogue")
     for make, shape in (
         (lambda: ksc.layers.ScaledDense(24, activation=activation), (3, 5, 16)),
+        (lambda: ksc.layers.ScaledDense(24, activation=activation, use_bias=False), (3, 5, 16)),
         (lambda: ksc.layers.ScaledEinsumDense(
             "abc,cde->abde", output_shape=(None, 4, 8), bias_axes="de", activation=activation), (3, 5, 16)),
     ):
