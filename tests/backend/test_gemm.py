@@ -43,6 +43,13 @@ CASES = [
     ("abc,cde->abde", (2, 3, 8), (8, 2, 4)),
     ("abcd,cde->abe", (2, 3, 4, 2), (4, 2, 5)),
     ("bqhd,bkhd->bhqk", (2, 3, 2, 4), (2, 5, 2, 4)),
+    # Attention's products (scores, context) and other batched or
+    # transposed forms (eager torch: `batched_gemms`).
+    ("aecd,abcd->acbe", (2, 5, 3, 4), (2, 6, 3, 4)),
+    ("acbe,aecd->abcd", (2, 3, 6, 5), (2, 5, 3, 4)),
+    ("abc,dc->abd", (2, 3, 4), (5, 4)),
+    ("bij,bjk->bik", (3, 4, 5), (3, 5, 6)),
+    ("abc,acd->adb", (2, 3, 4), (2, 4, 5)),
 ]
 
 
@@ -67,6 +74,32 @@ def test_scaled_einsum_values_and_gradients_equal_keras(equation, a_shape, b_sha
     np.testing.assert_allclose(to_np(got[0]), to_np(want[0]), rtol=1e-5)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-5, atol=1e-6 * np.abs(to_np(w)).max())
+
+
+@pytest.mark.parametrize(
+    "equation, batched",
+    [
+        ("aecd,abcd->acbe", True),
+        ("abc,dc->abd", True),
+        ("bij,bjk->bik", True),
+        ("ak,kn->an", False),  # a product of matrices: `matmul`
+        ("ab,cb->ac", False),  # (transposed matrices too)
+        ("ab,bc->c", False),  # `a` summed within one operand
+        ("ab,cd->abcd", False),  # nothing contracted
+    ],
+)
+def test_batched_gemms_on_eager_torch_only(equation, batched):
+    """Eager torch runs the contractions that are not a product of two
+    matrices as `bmm` on operands laid out once (`layout`); other
+    backends keep the einsum (XLA lays it out)."""
+    from keras_scalify.backend.gemm import plain_gemms
+
+    if equation == "ab,bc->c":
+        with pytest.raises(ValueError, match="summed within one operand"):
+            plain_gemms(equation)
+        return
+    gemms = plain_gemms(equation)
+    assert (gemms.layout is not None) == (batched and keras.config.backend() == "torch")
 
 
 @pytest.mark.skipif(keras.config.backend() != "jax", reason="inspects a jaxpr (jax only)")
