@@ -1,6 +1,6 @@
 """Training-step time of scaled models vs their Keras counterparts.
 
-    KERAS_BACKEND=jax python benchmarks/step_time.py [--model mlp|gpt|both]
+    KERAS_BACKEND=jax python benchmarks/step_time.py [--model mlp|gpt|both|gpt2-hub|llama-hub]
         [--steps 40] [--warmup 3] [--rounds 4] [--batch-size N]
         [--fp8-route auto] [--rows ROW ...] [--breakdown] [--jit-compile]
         [--op-count]
@@ -52,6 +52,14 @@ line says whether the CPU has bfloat16 units; the last column names the
 route each row's FP8 GEMMs took.
 
 The MLP's scaled rows are `ksc.scalify(keras_mlp, dtype=...)`.
+
+`--model gpt2-hub` / `llama-hub` (needs keras-hub): a keras-hub
+`GPT2CausalLM` / `LlamaCausalLM` of the GPT's sizes (MLP width 4d, no
+dropout; Llama with half as many key/value heads), random weights, inputs
+`token_ids` and an all-true `padding_mask`; the scaled rows are the Keras
+model converted by `ksc.scalify` (keras-hub's own blocks run on
+ScaledTensors through the dispatch), Keras float8 quantizes its Dense and
+EinsumDense layers.
 
 Timing: every model is compiled and warmed up first (`--warmup` calls; the
 first compiles under jax / tensorflow, so compile time is excluded), then
@@ -231,6 +239,32 @@ def gpt(args, scaled):
     return keras.Model(tokens, logits, name="gpt")
 
 
+# keras-hub causal LMs (`--model gpt2-hub` / `llama-hub`): tiny configs of
+# the GPT sizes (`--vocab --seq-len --d-model --heads --layers`, MLP width
+# 4d, Llama with half as many key/value heads), random weights.
+HUB_MODELS = ("gpt2-hub", "llama-hub")
+
+
+def hub_causal_lm(model_name, args):
+    """A keras-hub CausalLM (no preprocessor) under the current policy."""
+    try:
+        import keras_hub
+    except ImportError as e:
+        raise SystemExit(f"--model {model_name} needs keras-hub (pip install keras-hub): {e}")
+    d, h = args.d_model, args.heads
+    if model_name == "gpt2-hub":
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=args.vocab, num_layers=args.layers, num_heads=h, hidden_dim=d,
+            intermediate_dim=4 * d, dropout=0.0, max_sequence_length=args.seq_len,
+        )
+        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=args.vocab, num_layers=args.layers, num_query_heads=h,
+        num_key_value_heads=max(1, h // 2), hidden_dim=d, intermediate_dim=4 * d,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
 def quantize_float8(model):
     """Keras float8 training: every Dense / EinsumDense quantized."""
     n = 0
@@ -245,19 +279,22 @@ def build(model_name, kind, policy, args):
     """A compiled model for one row."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     keras.utils.set_random_seed(0)
+    keras_model = {"mlp": keras_mlp, "gpt": lambda a: gpt(a, scaled=False)}.get(
+        model_name, lambda a: hub_causal_lm(model_name, a)
+    )
     if kind == "scaled":
         optimizer = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-4))
-        if model_name == "mlp":
-            with policy_scope("float32"):
-                model = keras_mlp(args)
-            model = ksc.scalify(model, dtype=policy)
-        else:
+        if model_name == "gpt":
             with policy_scope(policy):
                 model = gpt(args, scaled=True)
+        else:  # the Keras model, converted
+            with policy_scope("float32"):
+                model = keras_model(args)
+            model = ksc.scalify(model, dtype=policy)
     else:
         optimizer = keras.optimizers.Adam(1e-4)
         with policy_scope(policy):
-            model = keras_mlp(args) if model_name == "mlp" else gpt(args, scaled=False)
+            model = keras_model(args)
             if kind == "keras_fp8":
                 quantize_float8(model)
     with policy_scope(policy if kind == "keras" else "float32"):
@@ -273,6 +310,9 @@ def batch(model_name, args, batch_size):
         y = rng.integers(0, args.mlp_classes, (batch_size,)).astype("int32")
         return x, y
     seq = rng.integers(0, args.vocab, (batch_size, args.seq_len + 1)).astype("int32")
+    if model_name in HUB_MODELS:
+        x = {"token_ids": seq[:, :-1], "padding_mask": np.ones((batch_size, args.seq_len), "bool")}
+        return x, seq[:, 1:]
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -397,6 +437,13 @@ def describe(model_name, args, batch_size):
             f"MLP {args.mlp_input} -> "
             + " -> ".join([f"Dense({args.mlp_width}, relu)"] * args.mlp_depth)
             + f" -> Dense({args.mlp_classes}), batch {batch_size}"
+        )
+    if model_name in HUB_MODELS:
+        kind = "GPT2CausalLM" if model_name == "gpt2-hub" else "LlamaCausalLM"
+        return (
+            f"keras-hub {kind} vocab {args.vocab}, seq {args.seq_len}, d {args.d_model}, "
+            f"{args.heads} heads, {args.layers} layers, batch {batch_size} (scaled rows: "
+            f"`ksc.scalify` of the Keras model)"
         )
     attention = (
         "Keras MHA on its fused dot_product_attention path"
@@ -545,7 +592,11 @@ def keras_params(model):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Training-step time, scaled vs Keras")
-    p.add_argument("--model", choices=["mlp", "gpt", "both"], default="both")
+    p.add_argument(
+        "--model", choices=["mlp", "gpt", "both", *HUB_MODELS], default="both",
+        help="mlp, gpt, both (default), or a keras-hub causal LM of the GPT's "
+        "sizes (gpt2-hub, llama-hub; needs keras-hub)",
+    )
     p.add_argument("--steps", type=int, default=40, help="timed steps per row")
     p.add_argument(
         "--warmup", type=int, default=3, help="untimed steps per row (>= 1; the first compiles)"

@@ -125,6 +125,26 @@ def test_step_time_gpt(step_time, capsys):
     assert ms > 0 and ratio > 0
 
 
+@pytest.mark.parametrize("model", ["gpt2-hub", "llama-hub"])
+def test_step_time_keras_hub(step_time, capsys, model):
+    """`--model gpt2-hub / llama-hub`: a tiny keras-hub causal LM, Keras's
+    and `ksc.scalify`'d, trained and timed."""
+    pytest.importorskip("keras_hub")
+    results = step_time.main(
+        [
+            "--model", model, "--vocab", "16", "--seq-len", "4", "--d-model", "8",
+            "--heads", "2", "--layers", "1", *TINY,
+            "--rows", "Keras float32", "scaled_float32",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "keras-hub " + ("GPT2CausalLM" if model == "gpt2-hub" else "LlamaCausalLM") in out
+    rows = _table_rows(out)
+    assert rows["scaled_float32"][1].endswith("x Keras float32")
+    ms, ratio = results[model]["scaled_float32"]
+    assert ms > 0 and ratio > 0
+
+
 def test_stats_count(stats_count, capsys):
     result = stats_count.main(
         ["--d-model", "8", "--heads", "2", "--seq-len", "4", "--amax-history-length", "16"]
