@@ -247,10 +247,13 @@ if TORCH:
             return ga, None, gb, None
 
     def _cotangent(g, other, factor, shape):
-        """`sum_to(g·other, shape)·factor`, the factor on the smaller side."""
+        """`sum_to(g·other, shape)·factor`, the factor on the smaller side
+        (on the product itself: in place, it is this call's own)."""
+        if S.is_one(factor):
+            return S.sum_to(g * other, shape)
         if other.numel() < g.numel():
             return S.sum_to(g * (other * factor), shape)
-        return S.sum_to(g * other, shape) * factor
+        return S.multiply_in_place(S.sum_to(g * other, shape), factor)
 
     def _centred_and_rstd(a, axes, inv_q, eps):
         mean = torch.mean(a, dim=axes, keepdim=True)
