@@ -185,16 +185,14 @@ if TORCH:
         return out if scale == 1.0 else out.mul_(1.0 / scale)
 
     def gated_value_derivative(grad, u, kind):
-        """`grad·f'(u)`, written into `u` (the epilogue's own
-        temporary): the cotangent of `a` from that of `gated_value`'s
+        """`grad·f'(u)`: the cotangent of `a` from that of `gated_value`'s
         result, `u = a·s` with `|s| <= 1` (an infinite `u` comes from an
-        infinite `a`, whose NaN derivative propagates the fault)."""
+        infinite `a`, whose NaN derivative propagates the fault). `u` is
+        left as it is (a retained graph may run the backward again)."""
         if kind == "silu":
-            return torch.ops.aten.silu_backward.grad_input(grad, u, grad_input=u)
+            return torch.ops.aten.silu_backward(grad, u)
         approximate = "tanh" if kind == "gelu_tanh" else "none"
-        return torch.ops.aten.gelu_backward.grad_input(
-            grad, u, approximate=approximate, grad_input=u
-        )
+        return torch.ops.aten.gelu_backward(grad, u, approximate=approximate)
 
     def gated(a, s, kind):
         """`a·gate(a·s)` (module docstring); `s` gets no gradient."""

@@ -39,10 +39,10 @@ cotangent `g` of `y`) and `grad_b(a, g)`. `quantize`: None, or the
 roundings `(qa, qb, qg)` of the operands and of the cotangent; then the
 GEMMs take operands already rounded, so that `a` and `b` are rounded once
 in the forward (and kept rounded for the backward) and `g` once in the
-backward, instead of once per GEMM. `layout`: None, or `(la, lb, lg)`,
-applied likewise (after `quantize`): the operands and the cotangent laid
-out once as batches of matrices (`batched_gemms`); the results keep the
-layouts of `y`, `a` and `b`."""
+backward, instead of once per GEMM. `layout`: None, or `(la, lb, lg)`:
+the operands and the cotangent laid out as batches of matrices
+(`batched_gemms`), once per pass (after `quantize`), for the GEMMs to
+take; their results keep the layouts of `y`, `a` and `b`."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -295,7 +295,7 @@ if TORCH:
         of matrices (eager torch): `layout` permutes `a` to (batch, rows,
         contracted), `b` to (batch, contracted, columns) and the cotangent
         to (batch, rows, columns), copying only where that is not a view,
-        once each; the backward GEMMs read the laid-out operands transposed
+        once per pass; the backward GEMMs read the laid-out operands transposed
         (`bmm` takes them as they are). `torch.einsum` lays its operands out
         per call, so each backward einsum copied both of its operands again
         (the GPT's attention products: 24 copies per backward pass, 8 for

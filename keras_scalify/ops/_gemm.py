@@ -62,16 +62,11 @@ def _with_sum_factors(factors, sum_factors):
     return f_out * fa, f_a * ba, f_b * ba
 
 
-def _gate_derivative(g, saved, gate):
-    """The cotangent of the GEMM's result `u` from that of the gated
-    value (`fused.gated_value_derivative`, written into `u`)."""
-    if "u" not in saved:
-        raise RuntimeError(
-            "A Dense layer's fused GEMM + activation node was differentiated "
-            "twice (`retain_graph`): its backward overwrites its saved "
-            "input. Run the layer again."
-        )
-    return fused.gated_value_derivative(g, saved.pop("u"), gate[0])
+def _laid_out(layout, i, x):
+    """`x` laid out by `layout[i]` (`backend.gemm.Gemms.layout`), once per
+    pass: the laid-out copies are not kept for the backward, whose own
+    arguments Keras's custom gradient keeps already."""
+    return x if layout is None else layout[i](x)
 
 
 @S.memoize_scalars
@@ -94,14 +89,12 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None
     the forward factors also take `s`, so that the GEMM's own result is the
     activation's input `u = y·s`, and the node returns `f(u)/s`
     (`fused.gated_value`); backward, the cotangent of `y` is
-    `fused.gated_value_derivative` of `g` at `u`, written into `u`. No pass
-    forms `u` forward or backward (the composition: one each way)."""
+    `fused.gated_value_derivative` of `g` at `u`. No pass forms `u` forward
+    or backward (the composition: one each way)."""
     fa, ba, fb, bb = sum_factors
     f_out, f_a, f_b = _with_sum_factors(tuple(factors), (fa, ba))
     if gate is not None:
         f_out, fb = _scaled_by((f_out, fb), gate[1])
-    # The epilogue's `u`, while the backward has not consumed it.
-    saved = {}
     a_shape, b_shape, c_shape = tuple(a.shape), tuple(b.shape), tuple(c.shape)
     need_a, need_b, need_c = S.needs_gradient(a), S.needs_gradient(b), S.needs_gradient(c)
 
@@ -109,28 +102,25 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None
 
     @ops.custom_gradient
     def fn(a, b, c, f_out, f_a, f_b, fb, bb):
-        if lay is not None:  # laid out once, kept for the backward
-            a, b = lay[0](a), lay[1](b)
-
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
             if gate is not None:
-                g = _gate_derivative(g, saved, gate)
+                g = fused.gated_value_derivative(g, u, gate[0])
             ga = gb = gc = None
-            g_gemm = g if lay is None else lay[2](g)
+            g_gemm = _laid_out(lay, 2, g)
             if need_a:
-                ga = _apply(gemms.grad_a, g_gemm, b, f_a, a_shape, "float32", True)
+                ga = _apply(gemms.grad_a, g_gemm, _laid_out(lay, 1, b), f_a, a_shape, "float32", True)
             if need_b:
-                gb = _apply(gemms.grad_b, a, g_gemm, f_b, b_shape, "float32", True)
+                gb = _apply(gemms.grad_b, _laid_out(lay, 0, a), g_gemm, f_b, b_shape, "float32", True)
             if need_c:
                 gc = S.multiply(S.sum_to(g, c_shape), bb)
             return ga, gb, gc, None, None, None, None, None
 
-        y = _apply(gemms.forward, a, b, f_out, out_shape, "float32", True)
+        y = _apply(gemms.forward, _laid_out(lay, 0, a), _laid_out(lay, 1, b), f_out, out_shape, "float32", True)
         y = S.add_in_place(y, c if S.is_one(fb) else S.multiply(c, fb))
         if gate is None:
             return y, grad
-        saved["u"] = y
+        u = y  # (the backward's)
         return fused.gated_value(y, gate[1], gate[0]), grad
 
     return fn(a, b, c, f_out, f_a, f_b, fb, bb)
@@ -153,7 +143,6 @@ def scaled_gemms(
     f_out, f_a, f_b = factors
     if gate is not None:
         (f_out,) = _scaled_by((f_out,), gate[1])
-    saved = {}
     exact = pow2_factors and not quantized and _all_float32(a, b) and out_dtype == "float32"
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     a_dtype, b_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
@@ -167,28 +156,25 @@ def scaled_gemms(
     def fn(a, b, f_out, f_a, f_b):
         if q is not None:  # rounded once, kept for the backward
             a, b = q[0](a), q[1](b)
-        if lay is not None:  # laid out once, kept for the backward
-            a, b = lay[0](a), lay[1](b)
 
         def grad(*args, upstream=None, variables=None):
             g = _upstream(args, upstream)
             if gate is not None:
-                g = _gate_derivative(g, saved, gate)
+                g = fused.gated_value_derivative(g, u, gate[0])
             if q is not None:
                 g = q[2](g)
-            if lay is not None:
-                g = lay[2](g)
+            g = _laid_out(lay, 2, g)
             ga = gb = None
             if need_a:
-                ga = _apply(gemms.grad_a, g, b, f_a, a_shape, a_dtype, exact)
+                ga = _apply(gemms.grad_a, g, _laid_out(lay, 1, b), f_a, a_shape, a_dtype, exact)
             if need_b:
-                gb = _apply(gemms.grad_b, a, g, f_b, b_shape, b_dtype, exact)
+                gb = _apply(gemms.grad_b, _laid_out(lay, 0, a), g, f_b, b_shape, b_dtype, exact)
             return ga, gb, None, None, None
 
-        y = _apply(gemms.forward, a, b, f_out, out_shape, out_dtype, exact)
+        y = _apply(gemms.forward, _laid_out(lay, 0, a), _laid_out(lay, 1, b), f_out, out_shape, out_dtype, exact)
         if gate is None:
             return y, grad
-        saved["u"] = y
+        u = y  # (the backward's)
         return fused.gated_value(y, gate[1], gate[0]), grad
 
     return fn(a, b, f_out, f_a, f_b)

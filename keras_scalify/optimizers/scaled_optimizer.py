@@ -8,6 +8,7 @@ from keras import ops
 from keras.src.backend import standardize_dtype
 from keras.src.optimizers import optimizer as keras_optimizer
 from keras.src.saving import serialization_lib
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.utils import tracking
 
 from keras_scalify.backend import scalar as S
@@ -406,7 +407,10 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             )
             ghosts = [(ghost, value) for (_, ghost, _), value in zip(weights, decoded)]
             ghosts += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
-            if native:
+            # (Inside an outer scope, e.g. `stateless_apply`, its writes
+            # must be recorded: the scope path.)
+            bound = native and not in_stateless_scope()
+            if bound:
                 # The ghosts are these tensors; the plain and the inner
                 # optimizer's own variables are updated where they are.
                 with bound_ghosts(ghosts):
@@ -436,22 +440,22 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             )
             writes = []
             for (sv, _, old_scale), (data, scale), src in zip(weights, encoded, stored):
-                # (Natively, float32 data was re-encoded in its own tensor,
-                # and a scale the host sees unchanged is not written.)
-                if not (native and data is src):
+                # (Bound, float32 data was re-encoded in its own tensor, and
+                # a scale the host sees unchanged is not written.)
+                if not (bound and data is src):
                     writes.append(commit(sv.data, data))
-                known = S.host_value(old_scale) if native else None
+                known = S.host_value(old_scale) if bound else None
                 if known is None or S.host_value(scale) != known:
                     writes.append(commit(sv.scale, scale))
-            if not native:
+            if not bound:
                 writes += [(v, new_of(v)) for kind, _, v in self._entries if kind == "plain"]
                 writes += [(v, new_of(v)) for v in inner_real]
             for ghost, d, s in self._slots:
                 data, scale = state.encode_slot(new_of(ghost), self._resolved_state_dtype)
-                # float32: stored as computed (natively, its own tensor was
+                # float32: stored as computed (bound, its own tensor was
                 # the ghost, updated in place).
                 if s is None:
-                    if not native:
+                    if not bound:
                         writes.append((d, data))
                     continue
                 writes += [commit(d, data), commit(s, scale)]

@@ -95,3 +95,41 @@ def test_wrapped_optimizers_are_refused():
     built.build([keras.Variable(np.zeros(2, "float32"))])
     with pytest.raises(ValueError, match="built"):
         ksc.ScaledOptimizer(built)
+
+
+@pytest.mark.skipif(
+    keras.config.backend() == "tensorflow",
+    reason="Keras refuses stateless_apply on TensorFlow (tf.distribute)",
+)
+def test_stateless_apply_equals_apply_with_ema_and_a_constraint():
+    """`stateless_apply` (Keras's functional step) writes what `apply`
+    writes, EMA averages and constrained weights included: inside a scope,
+    the inner optimizer's writes are recorded, not lost (on eager torch,
+    `apply` binds the ghosts to the decoded weights instead)."""
+    from keras import ops
+
+    x, _ = data()
+    results = []
+    for stateless in (False, True):
+        model = scaled_mlp("scaled_float32")
+        dense = next(l for l in model.layers if isinstance(l, ksc.layers.ScaledDense))
+        dense.scaled_weights[0].data.constraint = keras.constraints.MaxNorm(1.0)
+        opt = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2, use_ema=True))
+        opt.build(model.trainable_variables)
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            grads = [ops.convert_to_tensor(rng.standard_normal(v.shape).astype("float32")) for v in model.trainable_variables]
+            if stateless:
+                tv, ov = opt.stateless_apply(
+                    [v.value for v in opt.variables], grads, [v.value for v in model.trainable_variables]
+                )
+                for v, value in zip(model.trainable_variables, tv):
+                    v.assign(value)
+                for v, value in zip(opt.variables, ov):
+                    v.assign(value)
+            else:
+                opt.apply(grads, model.trainable_variables)
+        results.append((represented_weights(model), variable_values(opt.variables)))
+    (w1, o1), (w2, o2) = results
+    for a, b in zip(w1 + o1, w2 + o2):
+        np.testing.assert_array_equal(a, b)
