@@ -161,7 +161,7 @@ if TORCH:
             not _MEMO_OFF
             and type(x) is _TENSOR
             and x.ndim == 0
-            and x.device.type == "cpu"
+            and x.is_cpu
             and not x.requires_grad
             and not _is_compiling()
         ):
@@ -511,12 +511,65 @@ if TORCH:
         input gradient, as Keras's own layers do)."""
         return not isinstance(x, torch.Tensor) or x.requires_grad
 
+    from keras.src.backend.common import global_state as _global_state
+    from keras.src.backend.torch.core import Variable as _TorchVariable
+
     def variable_value(variable):
         """The current value of a Keras variable (inside a stateless scope,
-        the mapped one)."""
+        the mapped one).
+
+        Where `Variable.value` would return the variable's own tensor (no
+        stateless or autocast scope that applies, not a symbolic call on
+        the meta device, not traced), that tensor, read directly: Keras's
+        property checks those scopes one by one (~2.5 µs; a GPT step of
+        `benchmarks/step_time.py` reads ~500 variables in the rules and
+        the optimizer). Keras's private `_value` and `_autocast`, and the
+        global-state names its scopes use."""
+        if type(variable) is _TorchVariable:
+            value = variable._value
+            get = _global_state.get_global_attribute
+            if (
+                value is not None
+                and get("stateless_scope") is None
+                and (not variable._autocast or get("autocast_scope") is None)
+                and get("torch_device") is None
+                and not _is_compiling()
+            ):
+                return value
+            return variable.value
         if isinstance(variable, keras.Variable):
             return variable.value
         return ops.convert_to_tensor(variable)
+
+    def per_version(x, name, fn):
+        """`fn(x)` for a tensor `x` that is read far more often than it is
+        written (a weight): on eager torch computed once per version of
+        `x` (torch's in-place write counter, `_version`, which every
+        optimizer write and `assign` moves) and kept on `x` under `name`;
+        elsewhere `fn(x)`. `fn`'s result must not be written in place."""
+        if (
+            (type(x) is not _TENSOR and type(x) is not _PARAMETER)
+            or _MEMO_OFF
+            or _is_compiling()
+            or _is_inference()
+        ):
+            return fn(x)
+        version = x._version
+        hit = x.__dict__.get(name)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        out = fn(x)
+        x.__dict__[name] = (version, out)
+        return out
+
+    def signature(x):
+        """A hashable key of what a rule's static analysis reads of tensor
+        `x` (shape, dtype, device) on eager torch, where that analysis
+        would otherwise run on every call: None elsewhere (a traced step
+        runs it once per trace) and under `torch.compile`."""
+        if (type(x) is not _TENSOR and type(x) is not _PARAMETER) or _is_compiling():
+            return None
+        return (x.shape, x.dtype, x.device)
 
     _PARAMETER = torch.nn.Parameter
     _KEY_CODES = {torch.float32: "f", torch.int32: "i", torch.bool: "b"}
@@ -815,6 +868,14 @@ else:
         if isinstance(t, keras.Variable):
             t = ops.copy(t)
         return t
+
+    def per_version(x, name, fn):
+        """`fn(x)`: a traced step computes it once per trace."""
+        return fn(x)
+
+    def signature(x):
+        """None: traced steps run a rule's static analysis once per trace."""
+        return None
 
     def memo_disabled():
         """A scope without memoization: there is none here."""

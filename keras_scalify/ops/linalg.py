@@ -16,6 +16,7 @@ from keras import ops
 
 from keras_scalify.backend.fused import gate_epilogue
 from keras_scalify.backend.gemm import contraction_gemms
+from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import memoize_scalars
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import has_float32_gemm
@@ -212,23 +213,17 @@ def contraction_plus(
     if ab is None or not (c is None or is_scaled(c)):
         return None
     a, b = ab
-    if any(x.dtype != "float32" for x in (a, b) + ((c,) if c is not None else ())):
+    if c is not None and c.dtype != "float32":
         return None
-    if subscripts is None:
-        equation, k = _weight_equation(a, b), _static_k(a.data, "x1")
-        out_shape = _result_shape(("matmul",), ops.matmul, (a, b))
-    else:
-        equation = _two_operand_equation(subscripts, (a, b))
-        k = _parse_einsum(subscripts, [a.shape, b.shape])
-        out_shape = _einsum_shape(subscripts, (a, b))
-    args = _gemm_args(equation, a, b)
-    if not args:
+    plan = _contraction_plan(subscripts, a, b)
+    if plan is None:
         return None
+    k, out_shape, args, size_out, sizes, r = plan
     sc = (scalars(a), scalars(b))
     scale, g, cs = _contraction_scales(
-        sc, k, static_count(out_shape), _sizes((a, b)), _check_calibrated(calibrated, 2)
+        sc, k, size_out, sizes, _check_calibrated(calibrated, 2)
     )
-    factors = _gemm_factors(cs, static_pow2_sqrt(k))
+    factors = _gemm_factors(cs, r)
     if c is None:
         u_scale = None if gate is None else gate_epilogue(scale, gate)
         out = scaled_gemms(
@@ -250,6 +245,40 @@ def contraction_plus(
     if activation is None or u_scale is not None:
         return y
     return activation(y)
+
+
+# `_contraction_plan`'s results by the operands' signatures (eager torch).
+_PLANS = {}
+_PLANS_MAX = 1024
+
+
+def _contraction_plan(subscripts, a, b):
+    """What `contraction_plus` reads of its float32 operands' shapes and
+    dtypes: `(k, out_shape, gemm arguments, output size, operand sizes,
+    P(sqrt(k)))`, or None where the one-custom-gradient GEMMs do not take
+    them. Memoized by `backend.scalar.signature` where there is one (eager
+    torch, where this analysis ran on every call of a Dense layer)."""
+    key = (subscripts, S.signature(a.data), S.signature(b.data))
+    known = key[1] is not None and key[2] is not None
+    if known and key in _PLANS:
+        return _PLANS[key]
+    plan = None
+    if a.dtype == "float32" and b.dtype == "float32":
+        if subscripts is None:
+            equation, k = _weight_equation(a, b), _static_k(a.data, "x1")
+            out_shape = _result_shape(("matmul",), ops.matmul, (a, b))
+        else:
+            equation = _two_operand_equation(subscripts, (a, b))
+            k = _parse_einsum(subscripts, [a.shape, b.shape])
+            out_shape = _einsum_shape(subscripts, (a, b))
+        args = _gemm_args(equation, a, b)
+        if args:
+            plan = (k, out_shape, args, static_count(out_shape), _sizes((a, b)), static_pow2_sqrt(k))
+    if known:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def _check_out_dtype(out_dtype):

@@ -15,6 +15,8 @@ the route of Keras's `overwrite_with_gradient` variables (see
 `keras_scalify.layers.DynamicRescaleGrad`).
 """
 
+import math
+
 from keras import ops
 
 from keras_scalify.backend import scalar as S
@@ -124,6 +126,9 @@ def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     true zero (an unused weight, a dead unit), so the grad scale is kept
     rather than lowered towards the floor. Otherwise it is lowered by
     2**12, not below 2**-100 (`ZERO_SEARCH_MIN_EXPONENT`)."""
+    host = _host_grad_scale(stat, g_out, zero_may_be_underflow)
+    if host is not None:
+        return host
     finite = S.isfinite(stat)
     e_out = pow2.pow2_exponent(g_out)
     e_stat = pow2.pow2_exponent(S.where(finite, stat, S.ones_like(stat)))
@@ -137,6 +142,40 @@ def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     e_new = S.where(S.greater(stat, 0.0), e_out + e_stat, e_zero)
     e_new = S.where(finite, e_new, e_out + RECOVERY_EXPONENT)
     return pow2.pow2_from_exponent(e_new)
+
+
+def _host_exponent(v):
+    """`pow2.pow2_exponent` of a Python float holding a float32 value: the
+    exponent field minus 127 (-127 for 0 and subnormals, 128 for inf and
+    NaN)."""
+    v = abs(v)
+    if not math.isfinite(v):
+        return 128
+    if v < 2.0**-126:
+        return -127
+    return math.frexp(v)[1] - 1
+
+
+def _host_grad_scale(stat, g_out, zero_may_be_underflow):
+    """`grad_scale_from_statistic` in Python, bit for bit, where the host
+    has both scalars (`backend.scalar.host_value`: eager torch on the CPU;
+    the statistic is new every step, so no memo would hit): a cached
+    float32 tensor. None elsewhere (then the tensor ops run)."""
+    if type(zero_may_be_underflow) is not bool:
+        return None
+    v, g = S.host_value(stat), S.host_value(g_out)
+    if v is None or g is None:
+        return None
+    e_out = _host_exponent(g)
+    if not math.isfinite(v):
+        e_new = e_out + RECOVERY_EXPONENT
+    elif v > 0.0:
+        e_new = e_out + _host_exponent(v)
+    elif zero_may_be_underflow:
+        e_new = max(e_out - RECOVERY_EXPONENT, min(e_out, ZERO_SEARCH_MIN_EXPONENT))
+    else:
+        e_new = e_out
+    return S.float32_scalar(math.ldexp(1.0, min(max(e_new, -126), 127)), stat)
 
 
 def rebalance(x, factor):

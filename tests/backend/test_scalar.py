@@ -146,6 +146,76 @@ def test_variable_value_reads_the_current_value():
         _same(S.variable_value(v), ops.convert_to_tensor(np.float32(8.0)))
 
 
+def test_variable_value_follows_every_scope_keras_applies():
+    """The direct read of a variable's tensor (eager torch) gives what
+    `Variable.value` gives: inside a stateless scope the mapped value,
+    inside an autocast scope an autocast variable cast and a
+    non-autocast one as it is, on the meta device (symbolic calls) a
+    stub, and after `assign` the new value."""
+    from keras.src.backend.common.variables import AutocastScope
+
+    v = keras.Variable(np.float32(2.0))
+    kept = keras.Variable(np.float32(2.0), autocast=False)
+    for var in (v, kept):
+        assert S.variable_value(var) is var.value or _eq(S.variable_value(var), var.value)
+    with AutocastScope("float16"):
+        assert standardize_dtype(S.variable_value(v).dtype) == "float16"
+        assert standardize_dtype(S.variable_value(kept).dtype) == "float32"
+    with keras.StatelessScope(state_mapping=[(kept, ops.convert_to_tensor(np.float32(8.0)))]):
+        _same(S.variable_value(kept), ops.convert_to_tensor(np.float32(8.0)))
+    kept.assign(np.float32(3.0))
+    _same(S.variable_value(kept), ops.convert_to_tensor(np.float32(3.0)))
+    if keras.backend.backend() == "torch":
+        from keras.src.backend.torch.core import device_scope
+
+        with device_scope("meta"):
+            assert S.variable_value(kept).device.type == "meta"
+
+
+def _eq(a, b):
+    return np.array_equal(to_np(a), to_np(b))
+
+
+def test_per_version_recomputes_after_each_write():
+    """`per_version(x, name, fn)` is `fn(x)`; on eager torch computed once
+    per version of `x`: again after an in-place write or an `assign`,
+    never while nothing wrote it."""
+    v = keras.Variable(np.array([1.0, -3.0], np.float32))
+    calls = []
+
+    def biggest(x):
+        calls.append(1)
+        return float(np.max(np.abs(to_np(x))))
+
+    read = lambda: S.per_version(S.variable_value(v), "_test_max", biggest)  # noqa: E731
+    assert read() == 3.0 and read() == 3.0
+    cached = keras.backend.backend() == "torch"
+    assert len(calls) == (1 if cached else 2)
+    v.assign(np.array([5.0, 0.0], np.float32))
+    assert read() == 5.0
+    if cached:
+        import torch
+
+        with torch.no_grad():
+            S.variable_value(v).mul_(2.0)
+        assert read() == 10.0 and len(calls) == 3
+        with S.memo_disabled():
+            read()
+        assert len(calls) == 4
+
+
+def test_signature_keys_shape_dtype_and_device_on_eager_torch_only():
+    x = ops.zeros((2, 3))
+    sig = S.signature(x)
+    if keras.backend.backend() != "torch":
+        assert sig is None
+        return
+    assert sig == S.signature(ops.ones((2, 3)))
+    assert sig != S.signature(ops.zeros((3, 2)))
+    assert sig != S.signature(ops.zeros((2, 3), "float16"))
+    assert S.signature(np.zeros((2, 3))) is None
+
+
 def test_in_place_ops_match_keras_ops_and_spare_autograd():
     a = np.array([1.5, -3.0, 2.0**-140, 3e38, np.inf, np.nan], np.float32)
     ints = np.array([5, -7, 2**31 - 1, -(2**31)], np.int32)

@@ -243,6 +243,25 @@ def test_layers_take_the_bias_in_gemm_node_on_eager_torch_only(rng, monkeypatch)
     assert bool(taken) == (keras.config.backend() == "torch")
 
 
+def test_contraction_plan_follows_the_operands_shapes(rng):
+    """`contraction_plus` memoizes its static analysis by the operands'
+    shapes, dtypes and devices (eager torch): the same layers called on
+    inputs of other shapes, and back, give Keras's outputs for each."""
+    layers = [
+        ksc.layers.ScaledEinsumDense("abc,cd->abd", output_shape=(None, 6), bias_axes="d"),
+        ksc.layers.ScaledDense(6, activation="gelu"),
+    ]
+    for layer in layers:
+        reference = None
+        for shape in [(2, 3, 4), (5, 7, 4), (1, 1, 4), (2, 3, 4)]:
+            x = rng.standard_normal(shape).astype("float32")
+            y = layer(ksc.as_scaled(x))
+            reference = reference or layer.to_keras()
+            want = to_np(reference(x))
+            assert tuple(y.data.shape) == want.shape
+            np.testing.assert_allclose(to_np(y.data) * float(y.scale), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_approximate", "silu"])
 @pytest.mark.parametrize("x_scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^20"])
 def test_gated_activation_in_the_gemm_epilogue_is_bit_identical(activation, x_scale, rng, monkeypatch):

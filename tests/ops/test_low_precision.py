@@ -239,3 +239,25 @@ def test_fp8_matmul_out_dtype(rng):
     )
     with pytest.raises(ValueError, match="out_dtype"):
         ksc.ops.fp8_matmul(x, w, out_dtype="float8_e5m2")
+
+
+def test_grad_scale_from_statistic_in_python_is_the_tensor_ops_bit_for_bit():
+    """Where the host has the statistic and the grad scale (eager torch on
+    the CPU) the next grad scale is computed in Python; it equals the
+    tensor ops' result (`memo_disabled` turns the host reads off) for
+    zeros, subnormals, normal values, the float32 extremes, inf and NaN."""
+    from keras_scalify.backend import scalar as S
+    from keras_scalify.ops.rescaling import grad_scale_from_statistic
+
+    stats = [0.0, 2.0**-149, 3 * 2.0**-140, 0.75 * 2.0**-126, 2.0**-126, 1e-30, 0.75, 1.0, 3.0, 2.0**100,
+             3.4e38, np.inf, np.nan]
+    g_outs = [0.0, 2.0**-140, 2.0**-126, 2.0**-100, 2.0**-12, 1.0, 2.0**20, 2.0**127, np.inf]
+    f32 = lambda v: ops.convert_to_tensor(np.float32(v))  # noqa: E731
+    for z in (True, False):
+        for g in g_outs:
+            for v in stats:
+                got = ops.convert_to_numpy(grad_scale_from_statistic(f32(v), f32(g), z))
+                with S.memo_disabled():
+                    want = ops.convert_to_numpy(grad_scale_from_statistic(f32(v), f32(g), z))
+                assert got.dtype == want.dtype == np.float32
+                assert got.tobytes() == want.tobytes(), (v, g, z, got, want)
