@@ -512,7 +512,8 @@ if TORCH:
         return not isinstance(x, torch.Tensor) or x.requires_grad
 
     from keras.src.backend.common import global_state as _global_state
-    from keras.src.backend.torch.core import Variable as _TorchVariable
+
+    _VARIABLE = keras.Variable
 
     def variable_value(variable):
         """The current value of a Keras variable (inside a stateless scope,
@@ -525,7 +526,7 @@ if TORCH:
         `benchmarks/step_time.py` reads ~500 variables in the rules and
         the optimizer). Keras's private `_value` and `_autocast`, and the
         global-state names its scopes use."""
-        if type(variable) is _TorchVariable:
+        if type(variable) is _VARIABLE:  # (a subclass may read otherwise)
             value = variable._value
             get = _global_state.get_global_attribute
             if (
@@ -540,27 +541,6 @@ if TORCH:
         if isinstance(variable, keras.Variable):
             return variable.value
         return ops.convert_to_tensor(variable)
-
-    def per_version(x, name, fn):
-        """`fn(x)` for a tensor `x` that is read far more often than it is
-        written (a weight): on eager torch computed once per version of
-        `x` (torch's in-place write counter, `_version`, which every
-        optimizer write and `assign` moves) and kept on `x` under `name`;
-        elsewhere `fn(x)`. `fn`'s result must not be written in place."""
-        if (
-            (type(x) is not _TENSOR and type(x) is not _PARAMETER)
-            or _MEMO_OFF
-            or _is_compiling()
-            or _is_inference()
-        ):
-            return fn(x)
-        version = x._version
-        hit = x.__dict__.get(name)
-        if hit is not None and hit[0] == version:
-            return hit[1]
-        out = fn(x)
-        x.__dict__[name] = (version, out)
-        return out
 
     def signature(x):
         """A hashable key of what a rule's static analysis reads of tensor
@@ -868,10 +848,6 @@ else:
         if isinstance(t, keras.Variable):
             t = ops.copy(t)
         return t
-
-    def per_version(x, name, fn):
-        """`fn(x)`: a traced step computes it once per trace."""
-        return fn(x)
 
     def signature(x):
         """None: traced steps run a rule's static analysis once per trace."""

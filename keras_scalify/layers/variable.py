@@ -46,13 +46,6 @@ def _rebalanced(p, scale):
     return 1.0 / k, S.ones_like(k), S.where(nonzero, scale * k, 0.0)
 
 
-def _max_pow2(data):
-    """`P(max |data|)` (no gradient): a rebalanced weight's scale factor,
-    computed once per write of the weight on eager torch
-    (`backend.scalar.per_version`)."""
-    return pow2.pow2_round_down(S.stop_gradient(S.max(S.abs(pow2.as_dtype(S.stop_gradient(data), "float32")))))
-
-
 def split_value(value):
     """Exact pow2 split of a float32 array: `(data, scale)` with unit-RMS
     data; an all-zero array gets scale 1 (so updates can grow it)."""
@@ -160,8 +153,8 @@ class ScaledVariable:
         gs = effective_grad_scale(S.stop_gradient(read_tensor(self.grad_scale)), scale)
         if not rebalance:
             return ScaledTensor(data, scale, gs)
-        p = S.per_version(data, "_ksc_max_pow2", _max_pow2)
-        inv_k, one, scale = _rebalanced(p, scale)
+        m = S.stop_gradient(S.max(S.abs(pow2.as_dtype(data, "float32"))))
+        inv_k, one, scale = _rebalanced(pow2.pow2_round_down(m), scale)
         return ScaledTensor(rescale(data, inv_k, one), scale, gs)
 
     @property

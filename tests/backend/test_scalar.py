@@ -176,34 +176,6 @@ def _eq(a, b):
     return np.array_equal(to_np(a), to_np(b))
 
 
-def test_per_version_recomputes_after_each_write():
-    """`per_version(x, name, fn)` is `fn(x)`; on eager torch computed once
-    per version of `x`: again after an in-place write or an `assign`,
-    never while nothing wrote it."""
-    v = keras.Variable(np.array([1.0, -3.0], np.float32))
-    calls = []
-
-    def biggest(x):
-        calls.append(1)
-        return float(np.max(np.abs(to_np(x))))
-
-    read = lambda: S.per_version(S.variable_value(v), "_test_max", biggest)  # noqa: E731
-    assert read() == 3.0 and read() == 3.0
-    cached = keras.backend.backend() == "torch"
-    assert len(calls) == (1 if cached else 2)
-    v.assign(np.array([5.0, 0.0], np.float32))
-    assert read() == 5.0
-    if cached:
-        import torch
-
-        with torch.no_grad():
-            S.variable_value(v).mul_(2.0)
-        assert read() == 10.0 and len(calls) == 3
-        with S.memo_disabled():
-            read()
-        assert len(calls) == 4
-
-
 def test_signature_keys_shape_dtype_and_device_on_eager_torch_only():
     x = ops.zeros((2, 3))
     sig = S.signature(x)
