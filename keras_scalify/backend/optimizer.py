@@ -47,6 +47,8 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+from keras_scalify.backend import scalar as S
+
 _GENERIC = (
     "assign",
     "assign_add",
@@ -223,7 +225,7 @@ def assign_all(pairs):
         if not torch.compiler.is_compiling() and not in_stateless_scope():
             # A float32 slot updated in place by the native update is the
             # variable's own tensor: nothing to copy.
-            pairs = [(t, x) for t, x in ((v.value, x) for v, x in pairs) if x is not t]
+            pairs = [(t, x) for t, x in ((S.variable_value(v), x) for v, x in pairs) if x is not t]
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_(

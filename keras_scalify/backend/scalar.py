@@ -362,14 +362,15 @@ if TORCH:
         `factors`, the float32 CPU tensors whose factors the host reads
         (`host_value`) in one `torch._foreach_mul_` (an optimizer step
         decodes and re-encodes every weight: one Python-level op per
-        weight each way)."""
+        weight each way); a factor of exactly 1 is skipped (a norm's
+        gamma and beta have scale 1: no pass)."""
         out = list(xs)
         batch, values = [], []
         for i, (x, f) in enumerate(zip(xs, factors)):
-            v = host_value(f) if _writable(x) and x.dtype == torch.float32 and x.device.type == "cpu" else None
+            v = host_value(f) if _writable(x) and x.dtype == torch.float32 and x.is_cpu else None
             if v is None:
                 out[i] = multiply_in_place(x, f)
-            else:
+            elif v != 1.0:  # (a factor of 1 writes nothing)
                 batch.append(x)
                 values.append(v)
         if batch:

@@ -396,17 +396,20 @@ def test_batched_optimizer_helpers_match_their_per_tensor_ops():
     torch, not one that autograd records) and leaving the others."""
     rng = np.random.default_rng(3)
     arrays = [rng.standard_normal(shape).astype("float32") * 2.0**e for shape, e in [((7, 5), -30), ((11,), 0), ((), 40)]]
+    arrays.append(np.array([-0.0, np.inf, np.nan, 2.0**-149, 3.0], np.float32))
     xs = [ops.convert_to_tensor(a) for a in arrays]
     want = np.stack([np.asarray(to_np(S.rms(x))) for x in xs])
     assert to_np(S.rms_all(xs)).tobytes() == want.tobytes()
-    factors = [ops.convert_to_tensor(np.float32(f)) for f in (2.0**-3, 1.0, 2.0**7)]
+    factors = [ops.convert_to_tensor(np.float32(f)) for f in (2.0**-3, 1.0, 2.0**7, 1.0)]
     want = [np.asarray(to_np(S.multiply(x, f))) for x, f in zip(xs, factors)]
     fresh = [ops.convert_to_tensor(a.copy()) for a in arrays]
     if keras.backend.backend() == "torch":
         fresh[1].requires_grad_(True)
     got = S.multiply_all_in_place(fresh, factors)
     for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(to_np(g if not getattr(g, "requires_grad", False) else g.detach())), w)
+        g = np.asarray(to_np(g if not getattr(g, "requires_grad", False) else g.detach()), np.float32)
+        assert g.tobytes() == np.asarray(w, np.float32).tobytes()
     if keras.backend.backend() == "torch":
         assert got[0] is fresh[0] and got[2] is fresh[2]  # written in place
+        assert got[3] is fresh[3]  # (a factor of 1: left as it is)
         assert got[1] is not fresh[1]  # a tensor autograd records is not
