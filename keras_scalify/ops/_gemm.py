@@ -24,6 +24,8 @@ layer's input-gradient GEMM is skipped, as Keras's Dense skips it.
 
 OPERAND_RATIO = 4
 
+import functools
+
 from keras import ops
 
 from keras_scalify.backend.scalar import dtype_name
@@ -41,13 +43,30 @@ def _apply(gemm, x, y, factor, out_shape, dtype, exact):
     if S.is_one(factor):
         return as_dtype(gemm(x, y), dtype)
     if exact:
-        sizes = [static_count(x.shape), static_count(y.shape)]
-        smaller = 0 if sizes[0] <= sizes[1] else 1
-        if sizes[smaller] * OPERAND_RATIO <= static_count(out_shape):
-            if smaller == 0:
-                return gemm(S.multiply(x, factor), y)
+        smaller = _operand_to_scale(tuple(x.shape), tuple(y.shape), tuple(out_shape))
+        if smaller == 0:
+            return gemm(S.multiply(x, factor), y)
+        if smaller == 1:
             return gemm(x, S.multiply(y, factor))
     return as_dtype(S.multiply_in_place(gemm(x, y), factor), dtype)
+
+
+def _operand_to_scale(x_shape, y_shape, out_shape):
+    """The operand (0 or 1) an exact GEMM's factor multiplies, the one at
+    least `OPERAND_RATIO` times smaller than the result, or None (the
+    result). Memoized by the static shapes (a GEMM's three shapes recur
+    every step)."""
+    try:
+        return _operand_to_scale_cached(x_shape, y_shape, out_shape)
+    except TypeError:  # a symbolic size (`torch.compile`) has no hash
+        return _operand_to_scale_cached.__wrapped__(x_shape, y_shape, out_shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _operand_to_scale_cached(x_shape, y_shape, out_shape):
+    sizes = [static_count(x_shape), static_count(y_shape)]
+    smaller = 0 if sizes[0] <= sizes[1] else 1
+    return smaller if sizes[smaller] * OPERAND_RATIO <= static_count(out_shape) else None
 
 
 def _all_float32(*xs):
