@@ -56,14 +56,16 @@ def matmul_bias_and_activation(layer, subscripts_or_none, x, w, calibrated=None)
         dtype_name(d) == "float32"
         for d in (layer.policy_dtype("matmul_dtype"), layer.policy_dtype("grad_dtype"), layer.compute_dtype)
     ):
-        bias = None
+        bias = bias_factor = None
         if layer._bias is not None:
-            bias = sops.cast(layer._bias.read(rebalance=True), "float32")
+            # (The rebalanced bias's data factor joins the node's factors.)
+            bias, bias_factor = layer._bias.read_rebalanced()
+            bias = sops.cast(bias, "float32")
         y = contraction_plus(
             subscripts_or_none, x, w, bias,
             calibrated=_votes(layer, calibrated),
             c_calibrated=None if bias is None else layer._bias.calibrated,
-            activation=layer._act, gate=gate,
+            activation=layer._act, gate=gate, c_factor=bias_factor,
         )
         if y is not None:
             return y

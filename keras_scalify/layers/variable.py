@@ -148,14 +148,28 @@ class ScaledVariable:
         does not pull the scale of the sum it joins (`add` takes
         `sqrt(sa² + sb²)`). One max over a vector: no activation statistic.
         """
+        if rebalance:
+            stored, inv_k = self.read_rebalanced()
+            return ScaledTensor(rescale(stored.data, inv_k, 1.0), stored.scale, stored.grad_scale)
+        data = read_tensor(self.data)
+        scale = S.stop_gradient(read_tensor(self.scale))
+        return ScaledTensor(data, scale, effective_grad_scale(S.stop_gradient(read_tensor(self.grad_scale)), scale))
+
+    def read_rebalanced(self):
+        """`read(rebalance=True)` with the data's factor left to the op
+        that uses it: `(stored, f)`, the stored data with the rebalanced
+        scale and grad scale, and the pow2 `f` by which the data is
+        multiplied forward (its cotangent by nothing):
+        `read(rebalance=True)` is `ScaledTensor(rescale(stored.data, f, 1),
+        stored.scale, stored.grad_scale)`. A GEMM node folds `f` into its
+        own factors (`ops.linalg.contraction_plus(c_factor=)`): no node
+        and no pass of its own."""
         data = read_tensor(self.data)
         scale = S.stop_gradient(read_tensor(self.scale))
         gs = effective_grad_scale(S.stop_gradient(read_tensor(self.grad_scale)), scale)
-        if not rebalance:
-            return ScaledTensor(data, scale, gs)
         m = S.stop_gradient(S.max(S.abs(pow2.as_dtype(data, "float32"))))
-        inv_k, one, scale = _rebalanced(pow2.pow2_round_down(m), scale)
-        return ScaledTensor(rescale(data, inv_k, one), scale, gs)
+        inv_k, _, scale = _rebalanced(pow2.pow2_round_down(m), scale)
+        return ScaledTensor(data, scale, gs), inv_k
 
     @property
     def calibrated(self):

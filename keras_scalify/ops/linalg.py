@@ -191,7 +191,8 @@ def _contract(
 
 
 def contraction_plus(
-    subscripts, x, w, c, *, calibrated=None, c_calibrated=None, activation=None, gate=None
+    subscripts, x, w, c, *, calibrated=None, c_calibrated=None, activation=None, gate=None,
+    c_factor=None,
 ):
     """`add(einsum(subscripts, x, w, calibrated=calibrated), c,
     calibrated=(None, c_calibrated))` (`matmul` for `subscripts=None`),
@@ -205,7 +206,11 @@ def contraction_plus(
     `activation` (a scaled activation, or None) is applied to the sum;
     `gate`: its kind when it is a gated one (`backend.fused.KINDS`), which
     the same node then computes where `backend.fused.gate_epilogue` allows
-    (its rule: scale unchanged, `d = a·gate(a·s)`)."""
+    (its rule: scale unchanged, `d = a·gate(a·s)`). `c_factor`: a pow2
+    scalar by which `c`'s data is multiplied forward only (a rebalanced
+    bias's, `ScaledVariable.read_rebalanced`), joined to the sum's factor
+    for `c` (the sum is `add(x, ScaledTensor(rescale(c.data, c_factor, 1),
+    ...))`'s)."""
     from keras_scalify.ops._gemm import scaled_gemms_plus
     from keras_scalify.ops.arithmetic import _sum_scales
 
@@ -236,6 +241,8 @@ def contraction_plus(
         s, g_sum, fa, ba, fb, bb = _sum_scales(
             scale, g, *sc_c, None if c_calibrated is None else [None, c_calibrated]
         )
+        if c_factor is not None:
+            fb = S.multiply(fb, c_factor)
         u_scale = None if gate is None else gate_epilogue(s, gate)
         out = scaled_gemms_plus(
             args["gemms"], a.data, b.data, c.data, factors,
