@@ -196,6 +196,18 @@ def pow2_exponent(x):
     return S.subtract(S.right_shift(S.bitwise_and(b, _EXP_MASK), 23), 127)
 
 
+def host_exponent(v):
+    """`pow2_exponent` of a Python float holding a float32 value, in
+    Python: the exponent field minus 127 (-127 for 0 and subnormals, 128
+    for inf and NaN)."""
+    v = abs(v)
+    if not math.isfinite(v):
+        return 128
+    if v < 2.0**-126:
+        return -127
+    return math.frexp(v)[1] - 1
+
+
 def pow2_from_exponent(e):
     """`2**e` as float32 for int32 `e`, clamped to [-126, 127] (exact)."""
     e = S.clip(as_dtype(e, "int32"), -126, 127)

@@ -144,18 +144,6 @@ def grad_scale_from_statistic(stat, g_out, zero_may_be_underflow=True):
     return pow2.pow2_from_exponent(e_new)
 
 
-def _host_exponent(v):
-    """`pow2.pow2_exponent` of a Python float holding a float32 value: the
-    exponent field minus 127 (-127 for 0 and subnormals, 128 for inf and
-    NaN)."""
-    v = abs(v)
-    if not math.isfinite(v):
-        return 128
-    if v < 2.0**-126:
-        return -127
-    return math.frexp(v)[1] - 1
-
-
 def _host_grad_scale(stat, g_out, zero_may_be_underflow):
     """`grad_scale_from_statistic` in Python, bit for bit, where the host
     has both scalars (`backend.scalar.host_value`: eager torch on the CPU;
@@ -166,11 +154,11 @@ def _host_grad_scale(stat, g_out, zero_may_be_underflow):
     v, g = S.host_value(stat), S.host_value(g_out)
     if v is None or g is None:
         return None
-    e_out = _host_exponent(g)
+    e_out = pow2.host_exponent(g)
     if not math.isfinite(v):
         e_new = e_out + RECOVERY_EXPONENT
     elif v > 0.0:
-        e_new = e_out + _host_exponent(v)
+        e_new = e_out + pow2.host_exponent(v)
     elif zero_may_be_underflow:
         e_new = max(e_out - RECOVERY_EXPONENT, min(e_out, ZERO_SEARCH_MIN_EXPONENT))
     else:
