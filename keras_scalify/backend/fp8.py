@@ -55,6 +55,7 @@ from keras import ops
 from keras_scalify.backend.gemm import MATMUL_2D
 from keras_scalify.backend.scalar import ELEMENTWISE_CHUNK
 from keras_scalify.backend.scalar import dtype_name
+from keras_scalify.backend.scalar import TORCH
 from keras_scalify.backend.gemm import Gemms
 from keras_scalify.backend.gemm import as_matmul
 from keras_scalify.backend.gemm import einsum_f32
@@ -464,14 +465,16 @@ def _route_gemms(name, equation, fwd, bwd):
         # function per GEMM, where XLA fuses the rounding into it.)
         if name == "simulate":
             round_to = quantized_float32
-            gemm_fwd = lambda a, b: einsum_f32(equation, a, b)
-            gemm_a = lambda g, b: einsum_f32(grad_a_eq, g, b)
-            gemm_b = lambda a, g: einsum_f32(grad_b_eq, a, g)
+            gemm_fwd = lambda a, b, alpha=None: einsum_f32(equation, a, b, alpha)
+            gemm_a = lambda g, b, alpha=None: einsum_f32(grad_a_eq, g, b, alpha)
+            gemm_b = lambda a, g, alpha=None: einsum_f32(grad_b_eq, a, g, alpha)
+            alpha = TORCH
         else:
             round_to = _torch_saturating_cast
             gemm_fwd, gemm_a, gemm_b = _torch_forward, _torch_grad_a, _torch_grad_b
+            alpha = False
         quantize = tuple((lambda x, d=d: round_to(x, d)) for d in (fwd, fwd, bwd))
-        return Gemms(gemm_fwd, gemm_a, gemm_b, quantize)
+        return Gemms(gemm_fwd, gemm_a, gemm_b, quantize, alpha=alpha)
     gemm = _GEMMS[name]
     # The weight gradient `aᵀg` contracts the leading (row) dim of both
     # operands: XLA CPU's bfloat16 GEMM does not take that layout and

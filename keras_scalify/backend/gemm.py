@@ -23,6 +23,7 @@ import functools
 import keras
 from keras import ops
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.backend.scalar import TORCH
 from keras_scalify.core.pow2 import as_dtype
@@ -31,7 +32,7 @@ if TORCH:
     import torch
 
 Gemms = collections.namedtuple(
-    "Gemms", ["forward", "grad_a", "grad_b", "quantize", "layout"], defaults=(None, None)
+    "Gemms", ["forward", "grad_a", "grad_b", "quantize", "layout", "alpha"], defaults=(None, None, False)
 )
 Gemms.__doc__ = """The three GEMMs of `y = einsum(eq, a, b)`, each returning
 float32: `forward(a, b)`, `grad_a(g, b)` (the cotangent of `a` from the
@@ -42,7 +43,9 @@ in the forward (and kept rounded for the backward) and `g` once in the
 backward, instead of once per GEMM. `layout`: None, or `(la, lb, lg)`:
 the operands and the cotangent laid out as batches of matrices
 (`batched_gemms`), once per pass (after `quantize`), for the GEMMs to
-take; their results keep the layouts of `y`, `a` and `b`."""
+take; their results keep the layouts of `y`, `a` and `b`. `alpha`: whether
+each GEMM takes `alpha=` (a Python float it multiplies its float32 result
+by inside the GEMM, as BLAS's `alpha`: eager torch), else False."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -102,34 +105,60 @@ if TORCH:
     def _transpose(x):
         return x.t() if _tensors(x) else ops.transpose(x)
 
-    def _matmul(a, b):
-        return torch.matmul(a, b) if _tensors(a, b) else ops.matmul(a, b)
+    def _matmul(a, b, alpha=None):
+        if not _tensors(a, b):
+            return _times(ops.matmul(a, b), alpha)
+        if alpha is None:
+            return torch.matmul(a, b)
+        if a.ndim == 2 and b.ndim == 2 and a.dtype == torch.float32:
+            return torch.addmm(_zero(a), a, b, beta=0, alpha=alpha)
+        return torch.matmul(a, b).mul_(alpha)
+
+    def _bmm(a, b, alpha=None):
+        if alpha is None:
+            return torch.bmm(a, b)
+        return torch.baddbmm(_zero(a), a, b, beta=0, alpha=alpha)
+
+    def _zero(like):
+        """A 0-d zero of `like`'s dtype and device: the ignored `input`
+        of `addmm`/`baddbmm` with `beta=0` (broadcast, never read)."""
+        return S.float32_scalar(0.0, like) if like.dtype == torch.float32 else like.new_zeros(())
 
     def _einsum(equation, a, b):
         return torch.einsum(equation, a, b) if _tensors(a, b) else ops.einsum(equation, a, b)
 
 else:
     _reshape, _shape, _transpose = ops.reshape, ops.shape, ops.transpose
-    _matmul, _einsum = ops.matmul, ops.einsum
+    _einsum = ops.einsum
+
+    def _matmul(a, b, alpha=None):
+        return _times(ops.matmul(a, b), alpha)
 
 
-def einsum_f32(equation, a, b):
-    """`einsum(equation, a, b)` accumulated and returned in float32."""
+def _times(x, alpha):
+    return x if alpha is None else ops.multiply(x, alpha)
+
+
+def einsum_f32(equation, a, b, alpha=None):
+    """`einsum(equation, a, b)` accumulated and returned in float32, times
+    the Python float `alpha` where given (on torch, a matrix product takes
+    it as BLAS's `alpha`: no pass of its own; a power of two then gives
+    the bits of the product times `alpha`)."""
     if keras.backend.backend() == "jax":
         import jax.numpy as jnp
 
-        return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+        return _times(jnp.einsum(equation, a, b, preferred_element_type=jnp.float32), alpha)
     if TORCH and (a.dtype != torch.float32 or b.dtype != torch.float32):
         # Only CPU tensors come here with other dtypes (`has_float32_gemm`).
         a, b = a.to(torch.float32), b.to(torch.float32)
     transposes = _matrix_product(equation)
     if transposes is None:
-        out = _einsum(equation, a, b)
+        out = _times(_einsum(equation, a, b), alpha)
     else:
         # A product of two matrices: `matmul` (torch runs a 2-D einsum as a
         # batched GEMM of batch 1, with copies around it).
         ta, tb = transposes
-        out = _matmul(_transpose(a) if ta else a, _transpose(b) if tb else b)
+        out = _matmul(_transpose(a) if ta else a, _transpose(b) if tb else b, alpha)
     return as_dtype(out, "float32")
 
 
@@ -194,24 +223,25 @@ def flattened(gemms_2d, nk):
     def lead(x, nt):
         return tuple(_shape(x)[: len(x.shape) - nt])
 
-    def forward(a, b):
-        y = gemms_2d.forward(a2(a), b2(b))
+    # (`alpha` only where `gemms_2d` takes it: `Gemms.alpha`.)
+    def forward(a, b, **alpha):
+        y = gemms_2d.forward(a2(a), b2(b), **alpha)
         return _reshape(y, lead(a, nk) + tuple(b.shape[nk:]))
 
-    def grad_a(g, b):
+    def grad_a(g, b, **alpha):
         w = tuple(b.shape[nk:])
-        ga = gemms_2d.grad_a(_reshape(g, (-1, prod(w))), b2(b))
+        ga = gemms_2d.grad_a(_reshape(g, (-1, prod(w))), b2(b), **alpha)
         return _reshape(ga, lead(g, len(w)) + tuple(b.shape[:nk]))
 
-    def grad_b(a, g):
+    def grad_b(a, g, **alpha):
         w = tuple(g.shape[len(a.shape) - nk:])
-        gb = gemms_2d.grad_b(a2(a), _reshape(g, (-1, prod(w))))
+        gb = gemms_2d.grad_b(a2(a), _reshape(g, (-1, prod(w))), **alpha)
         return _reshape(gb, tuple(a.shape[len(a.shape) - nk:]) + w)
 
     # The cotangent made contiguous once (a permuted view arrives from an
     # attention product): its two reshapes are then views, not two copies.
     layout = (_same, _same, _contiguous) if TORCH else None
-    return Gemms(forward, grad_a, grad_b, gemms_2d.quantize, layout)
+    return Gemms(forward, grad_a, grad_b, gemms_2d.quantize, layout, gemms_2d.alpha)
 
 
 def _same(x):
@@ -248,9 +278,10 @@ def plain_gemms(equation):
             return gemms
     eq_a, eq_b = grad_equations(equation)
     return Gemms(
-        lambda a, b: einsum_f32(equation, a, b),
-        lambda g, b: einsum_f32(eq_a, g, b),
-        lambda a, g: einsum_f32(eq_b, a, g),
+        lambda a, b, alpha=None: einsum_f32(equation, a, b, alpha),
+        lambda g, b, alpha=None: einsum_f32(eq_a, g, b, alpha),
+        lambda a, g, alpha=None: einsum_f32(eq_b, a, g, alpha),
+        alpha=TORCH,
     )
 
 
@@ -325,21 +356,23 @@ if TORCH:
         inv_a = inv(batch + rows + k, a)
         inv_b = inv(batch + k + cols, b)
 
-        def forward(a3, b3):
-            y = torch.bmm(a3.reshape(_grouped(a3.shape, (nb, nm, nk))), b3.reshape(_grouped(b3.shape, (nb, nk, nn))))
+        def forward(a3, b3, alpha=None):
+            y = _bmm(a3.reshape(_grouped(a3.shape, (nb, nm, nk))), b3.reshape(_grouped(b3.shape, (nb, nk, nn))), alpha)
             return y.view(tuple(a3.shape[: nb + nm]) + tuple(b3.shape[nb + nk :])).permute(inv_out)
 
-        def grad_a(g3, b3):
-            ga = torch.bmm(
+        def grad_a(g3, b3, alpha=None):
+            ga = _bmm(
                 g3.reshape(_grouped(g3.shape, (nb, nm, nn))),
                 b3.reshape(_grouped(b3.shape, (nb, nk, nn))).transpose(1, 2),
+                alpha,
             )
             return ga.view(tuple(g3.shape[: nb + nm]) + tuple(b3.shape[nb : nb + nk])).permute(inv_a)
 
-        def grad_b(a3, g3):
-            gb = torch.bmm(
+        def grad_b(a3, g3, alpha=None):
+            gb = _bmm(
                 a3.reshape(_grouped(a3.shape, (nb, nm, nk))).transpose(1, 2),
                 g3.reshape(_grouped(g3.shape, (nb, nm, nn))),
+                alpha,
             )
             return gb.view(tuple(a3.shape[:nb]) + tuple(a3.shape[nb + nm :]) + tuple(g3.shape[nb + nm :])).permute(inv_b)
 
@@ -348,4 +381,4 @@ if TORCH:
             lambda x: _laid_out(x, perm_b, (nb, nk, nn)),
             lambda x: _laid_out(x, perm_g, (nb, nm, nn)),
         )
-        return Gemms(forward, grad_a, grad_b, None, layout)
+        return Gemms(forward, grad_a, grad_b, None, layout, True)

@@ -6,7 +6,11 @@
 float32 power of two from the scale rule (`ops/linalg.py`). A pow2 factor
 costs no pass of its own:
 
-- low-precision operands, or quantizing GEMMs (FP8): the factor multiplies
+- a factor the host knows (eager torch on the CPU, `backend.scalar.host_value`)
+  is the GEMM's own `alpha` (`addmm`/`baddbmm`, `Gemms.alpha`): BLAS
+  multiplies each accumulated block by it as it writes the result, the
+  bits of the product times the factor, in no extra pass;
+- otherwise, low-precision operands or quantizing GEMMs (FP8): the factor multiplies
   the float32 GEMM result in the same pass that rounds it to the data
   dtype (the result never under/overflows a narrow format first);
 - float32 operands and a plain GEMM: the factor multiplies the result,
@@ -36,12 +40,17 @@ from keras_scalify.ops._common import _upstream
 from keras_scalify.ops._common import static_count
 
 
-def _apply(gemm, x, y, factor, out_shape, dtype, exact):
+def _apply(gemm, x, y, factor, out_shape, dtype, exact, alpha=False):
     """`gemm(x, y) · factor` in `dtype` (see the module docstring). A
-    factor known to be 1 is not applied; on the GEMM's own result it is
-    applied in place (eager torch)."""
-    if S.is_one(factor):
+    factor known to be 1 is not applied; one the host knows, with `alpha`
+    (the GEMMs take it, `Gemms.alpha`, and it is a power of two), is the
+    GEMM's own `alpha`; on the GEMM's own result it is applied in place
+    (eager torch)."""
+    host = S.host_value(factor)
+    if host == 1.0:
         return as_dtype(gemm(x, y), dtype)
+    if alpha and host is not None:
+        return as_dtype(gemm(x, y, alpha=host), dtype)
     if exact:
         smaller = _operand_to_scale(tuple(x.shape), tuple(y.shape), tuple(out_shape))
         if smaller == 0:
@@ -128,14 +137,14 @@ def scaled_gemms_plus(gemms, a, b, c, factors, sum_factors, out_shape, gate=None
             ga = gb = gc = None
             g_gemm = _laid_out(lay, 2, g)
             if need_a:
-                ga = _apply(gemms.grad_a, g_gemm, _laid_out(lay, 1, b), f_a, a_shape, "float32", True)
+                ga = _apply(gemms.grad_a, g_gemm, _laid_out(lay, 1, b), f_a, a_shape, "float32", True, gemms.alpha)
             if need_b:
-                gb = _apply(gemms.grad_b, _laid_out(lay, 0, a), g_gemm, f_b, b_shape, "float32", True)
+                gb = _apply(gemms.grad_b, _laid_out(lay, 0, a), g_gemm, f_b, b_shape, "float32", True, gemms.alpha)
             if need_c:
                 gc = S.multiply(S.sum_to(g, c_shape), bb)
             return ga, gb, gc, None, None, None, None, None
 
-        y = _apply(gemms.forward, _laid_out(lay, 0, a), _laid_out(lay, 1, b), f_out, out_shape, "float32", True)
+        y = _apply(gemms.forward, _laid_out(lay, 0, a), _laid_out(lay, 1, b), f_out, out_shape, "float32", True, gemms.alpha)
         y = S.add_in_place(y, c if S.is_one(fb) else S.multiply(c, fb))
         if gate is None:
             return y, grad
@@ -163,6 +172,7 @@ def scaled_gemms(
     if gate is not None:
         (f_out,) = _scaled_by((f_out,), gate[1])
     exact = pow2_factors and not quantized and _all_float32(a, b) and out_dtype == "float32"
+    alpha = pow2_factors and gemms.alpha
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     a_dtype, b_dtype = dtype_name(a.dtype), dtype_name(b.dtype)
     q = gemms.quantize
@@ -185,12 +195,12 @@ def scaled_gemms(
             g = _laid_out(lay, 2, g)
             ga = gb = None
             if need_a:
-                ga = _apply(gemms.grad_a, g, _laid_out(lay, 1, b), f_a, a_shape, a_dtype, exact)
+                ga = _apply(gemms.grad_a, g, _laid_out(lay, 1, b), f_a, a_shape, a_dtype, exact, alpha)
             if need_b:
-                gb = _apply(gemms.grad_b, _laid_out(lay, 0, a), g, f_b, b_shape, b_dtype, exact)
+                gb = _apply(gemms.grad_b, _laid_out(lay, 0, a), g, f_b, b_shape, b_dtype, exact, alpha)
             return ga, gb, None, None, None
 
-        y = _apply(gemms.forward, _laid_out(lay, 0, a), _laid_out(lay, 1, b), f_out, out_shape, out_dtype, exact)
+        y = _apply(gemms.forward, _laid_out(lay, 0, a), _laid_out(lay, 1, b), f_out, out_shape, out_dtype, exact, alpha)
         if gate is None:
             return y, grad
         u = y  # (the backward's)

@@ -76,6 +76,45 @@ def test_scaled_einsum_values_and_gradients_equal_keras(equation, a_shape, b_sha
         np.testing.assert_allclose(to_np(g), to_np(w), rtol=1e-5, atol=1e-6 * np.abs(to_np(w)).max())
 
 
+@pytest.mark.parametrize("equation, a_shape, b_shape", CASES, ids=[c[0] for c in CASES])
+def test_host_known_factor_is_the_gemms_alpha_bit_for_bit(equation, a_shape, b_shape, rng):
+    """Where the host knows a GEMM's pow2 factor (eager torch on the CPU),
+    the GEMM takes it as its `alpha` (`addmm`/`baddbmm`, no multiply of
+    its own): values and gradients are those of the multiply path
+    (`memo_disabled` turns host reads off) bit for bit. Elsewhere both
+    runs take the multiply path."""
+    from keras_scalify.backend import scalar as S
+
+    a = ops.convert_to_tensor(rng.standard_normal(a_shape).astype("float32"))
+    b = ops.convert_to_tensor(rng.standard_normal(b_shape).astype("float32"))
+    up = ops.convert_to_tensor(rng.standard_normal(np.einsum(equation, np.zeros(a_shape), np.zeros(b_shape)).shape).astype("float32"))
+
+    def scaled(x, w):
+        y = ksc.ops.einsum(equation, ksc.as_scaled(x, 2.0**-3), ksc.as_scaled(w, 2.0**5))
+        return ops.sum(y.data * up)
+
+    calls = []
+    if keras.config.backend() == "torch":
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        class Count(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                calls.append(getattr(func, "__name__", ""))
+                return func(*args, **(kwargs or {}))
+
+        with Count():
+            got = kb.value_and_grad(scaled)(a, b)
+        assert {"addmm", "baddbmm"} & set(calls), calls
+    else:
+        got = kb.value_and_grad(scaled)(a, b)
+    with S.memo_disabled():
+        want = kb.value_and_grad(scaled)(a, b)
+    np.testing.assert_array_equal(to_np(got[0]), to_np(want[0]))
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_array_equal(to_np(g), to_np(w))
+
+
 @pytest.mark.parametrize(
     "equation, batched",
     [
