@@ -32,7 +32,9 @@ if TORCH:
     import torch
 
 Gemms = collections.namedtuple(
-    "Gemms", ["forward", "grad_a", "grad_b", "quantize", "layout", "alpha"], defaults=(None, None, False)
+    "Gemms",
+    ["forward", "grad_a", "grad_b", "quantize", "layout", "alpha", "laid_grads"],
+    defaults=(None, None, False, None),
 )
 Gemms.__doc__ = """The three GEMMs of `y = einsum(eq, a, b)`, each returning
 float32: `forward(a, b)`, `grad_a(g, b)` (the cotangent of `a` from the
@@ -45,7 +47,12 @@ the operands and the cotangent laid out as batches of matrices
 (`batched_gemms`), once per pass (after `quantize`), for the GEMMs to
 take; their results keep the layouts of `y`, `a` and `b`. `alpha`: whether
 each GEMM takes `alpha=` (a Python float it multiplies its float32 result
-by inside the GEMM, as BLAS's `alpha`: eager torch), else False."""
+by inside the GEMM, as BLAS's `alpha`: eager torch), else False.
+`laid_grads`: None, or `(grad_a, grad_b)` returning the cotangents in the
+laid-out shapes of `a` and `b` (as `layout[0]` and `layout[1]` give them),
+for operands laid out before the custom gradient (`ops._gemm`): autograd
+then keeps the laid-out operands for the backward, which lays out only
+the cotangent."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -325,9 +332,11 @@ if TORCH:
         and the output) or a transposed operand, as `torch.bmm` on batches
         of matrices (eager torch): `layout` permutes `a` to (batch, rows,
         contracted), `b` to (batch, contracted, columns) and the cotangent
-        to (batch, rows, columns), copying only where that is not a view,
-        once per pass; the backward GEMMs read the laid-out operands transposed
-        (`bmm` takes them as they are). `torch.einsum` lays its operands out
+        to (batch, rows, columns), copying only where that is not a view
+        (the operands once, before the custom gradient, which keeps them for
+        the backward: `laid_grads`; the cotangent once per backward); the
+        backward GEMMs read the laid-out operands transposed (`bmm` takes
+        them as they are). `torch.einsum` lays its operands out
         per call, so each backward einsum copied both of its operands again
         (the GPT's attention products: 24 copies per backward pass, 8 for
         Keras's autograd through its einsums). None for a product of
@@ -360,25 +369,31 @@ if TORCH:
             y = _bmm(a3.reshape(_grouped(a3.shape, (nb, nm, nk))), b3.reshape(_grouped(b3.shape, (nb, nk, nn))), alpha)
             return y.view(tuple(a3.shape[: nb + nm]) + tuple(b3.shape[nb + nk :])).permute(inv_out)
 
-        def grad_a(g3, b3, alpha=None):
+        def grad_a_laid(g3, b3, alpha=None):
             ga = _bmm(
                 g3.reshape(_grouped(g3.shape, (nb, nm, nn))),
                 b3.reshape(_grouped(b3.shape, (nb, nk, nn))).transpose(1, 2),
                 alpha,
             )
-            return ga.view(tuple(g3.shape[: nb + nm]) + tuple(b3.shape[nb : nb + nk])).permute(inv_a)
+            return ga.view(tuple(g3.shape[: nb + nm]) + tuple(b3.shape[nb : nb + nk]))
 
-        def grad_b(a3, g3, alpha=None):
+        def grad_b_laid(a3, g3, alpha=None):
             gb = _bmm(
                 a3.reshape(_grouped(a3.shape, (nb, nm, nk))).transpose(1, 2),
                 g3.reshape(_grouped(g3.shape, (nb, nm, nn))),
                 alpha,
             )
-            return gb.view(tuple(a3.shape[:nb]) + tuple(a3.shape[nb + nm :]) + tuple(g3.shape[nb + nm :])).permute(inv_b)
+            return gb.view(tuple(a3.shape[:nb]) + tuple(a3.shape[nb + nm :]) + tuple(g3.shape[nb + nm :]))
+
+        def grad_a(g3, b3, alpha=None):
+            return grad_a_laid(g3, b3, alpha).permute(inv_a)
+
+        def grad_b(a3, g3, alpha=None):
+            return grad_b_laid(a3, g3, alpha).permute(inv_b)
 
         layout = (
             lambda x: _laid_out(x, perm_a, (nb, nm, nk)),
             lambda x: _laid_out(x, perm_b, (nb, nk, nn)),
             lambda x: _laid_out(x, perm_g, (nb, nm, nn)),
         )
-        return Gemms(forward, grad_a, grad_b, None, layout, True)
+        return Gemms(forward, grad_a, grad_b, None, layout, True, (grad_a_laid, grad_b_laid))

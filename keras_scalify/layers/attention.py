@@ -15,6 +15,7 @@ from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
 from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.einsum_dense import ScaledEinsumDense
+from keras_scalify.ops.linalg import rebalanced_einsum
 from keras_scalify.layers.einsum_dense import check_unsupported
 from keras_scalify.layers.einsum_dense import plain_policy
 from keras_scalify.layers.einsum_dense import plain_shape
@@ -452,12 +453,14 @@ class ScaledMultiHeadAttention(ScaledLayer):
             final = self._dropout_layer(scores, training=training)
         else:
             final = scores
-        output = sops.einsum(self._combine_equation, final, value)
         # The combination averages values: with softmax's scale P(1/sqrt(S))
         # its data RMS ranges from ~1/sqrt(S) (uniform attention) to ~1
         # (one-hot). A static, exact rebalance by P(S**(1/4)) centres that
-        # range on 1 geometrically: no statistic is measured.
-        output = sops.rebalance(output, self._combine_rebalance(scores))
+        # range on 1 geometrically: no statistic is measured. (In the
+        # GEMM's own factor where it can be: `rebalanced_einsum`.)
+        output = rebalanced_einsum(
+            self._combine_equation, final, value, self._combine_rebalance(scores)
+        )
         return output, scores
 
     def call(

@@ -90,10 +90,16 @@ def _with_sum_factors(factors, sum_factors):
     return f_out * fa, f_a * ba, f_b * ba
 
 
+def _as_is(x):
+    return x
+
+
 def _laid_out(layout, i, x):
     """`x` laid out by `layout[i]` (`backend.gemm.Gemms.layout`), once per
     pass: the laid-out copies are not kept for the backward, whose own
-    arguments Keras's custom gradient keeps already."""
+    arguments Keras's custom gradient keeps already (with
+    `Gemms.laid_grads`, those arguments are the laid-out operands:
+    `scaled_gemms`)."""
     return x if layout is None else layout[i](x)
 
 
@@ -180,6 +186,17 @@ def scaled_gemms(
     need_a, need_b = S.needs_gradient(a), S.needs_gradient(b)
 
     lay = gemms.layout
+    grad_a, grad_b = gemms.grad_a, gemms.grad_b
+    if gemms.laid_grads is not None and q is None and _all_float32(a, b):
+        # The operands laid out once, outside the custom gradient: autograd
+        # keeps the laid-out ones for the backward (not the originals, laid
+        # out again there) and takes the cotangents back through the layout
+        # (views; the GEMMs return them in the laid-out shapes). (Narrower
+        # operands would be kept as their float32 copies: not done.)
+        a, b = lay[0](a), lay[1](b)
+        a_shape, b_shape = tuple(a.shape), tuple(b.shape)
+        grad_a, grad_b = gemms.laid_grads
+        lay = (_as_is, _as_is, lay[2])
 
     @ops.custom_gradient
     def fn(a, b, f_out, f_a, f_b):
@@ -195,9 +212,9 @@ def scaled_gemms(
             g = _laid_out(lay, 2, g)
             ga = gb = None
             if need_a:
-                ga = _apply(gemms.grad_a, g, _laid_out(lay, 1, b), f_a, a_shape, a_dtype, exact, alpha)
+                ga = _apply(grad_a, g, _laid_out(lay, 1, b), f_a, a_shape, a_dtype, exact, alpha)
             if need_b:
-                gb = _apply(gemms.grad_b, _laid_out(lay, 0, a), g, f_b, b_shape, b_dtype, exact, alpha)
+                gb = _apply(grad_b, _laid_out(lay, 0, a), g, f_b, b_shape, b_dtype, exact, alpha)
             return ga, gb, None, None, None
 
         y = _apply(gemms.forward, _laid_out(lay, 0, a), _laid_out(lay, 1, b), f_out, out_shape, out_dtype, exact, alpha)

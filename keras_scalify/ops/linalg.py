@@ -109,14 +109,18 @@ def _contraction_scales(sc, k, size_out, sizes, calibrated):
 
 
 @memoize_scalars
-def _gemm_factors(cs, r, m=1.0):
-    """`(m/r, c_a·m/r, c_b·m/r)`: the factors of the forward GEMM and of
-    the two backward ones (`ops/_gemm.py`); powers of two for `m = 1`,
-    else `m` is a static multiplier's mantissa (`einsum(multiplier=)`)."""
+@memoize_scalars
+def _gemm_factors(cs, r, m=1.0, out_factor=1.0):
+    """`(m·out_factor/r, c_a·m/r, c_b·m/r)`: the factors of the forward GEMM
+    and of the two backward ones (`ops/_gemm.py`); powers of two for `m =
+    1`, else `m` is a static multiplier's mantissa (`einsum(multiplier=)`).
+    `out_factor`: a static pow2 the output data alone takes (a rebalance
+    folded into the GEMM, `rebalanced_einsum`)."""
     inv_r = ops.convert_to_tensor(1.0 / r)
     if m != 1.0:
         inv_r = inv_r * m
-    return (inv_r,) + tuple(c * inv_r for c in cs)
+    f_out = inv_r if out_factor == 1.0 else inv_r * out_factor
+    return (f_out,) + tuple(c * inv_r for c in cs)
 
 
 @memoize_scalars
@@ -141,7 +145,7 @@ def _split_multiplier(multiplier):
 
 def _contract(
     fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=None, quantized=False,
-    calibrated=None, multiplier=None,
+    calibrated=None, multiplier=None, out_factor=None,
 ):
     """Apply `fn` to the data of `operands` with the contraction rule.
 
@@ -150,23 +154,28 @@ def _contract(
     pow2 factors without passes of their own (`ops/_gemm.py`); the output
     data is in `out_dtype`. Otherwise `fn` is differentiated by the backend
     with `rescale` / `scale_grad` around it (below). `multiplier` (with
-    `gemms` only): see `einsum`."""
+    `gemms` only): see `einsum`. `out_factor` (with `gemms` only): the
+    result is `rebalance(result, out_factor)`'s, the factor in the forward
+    GEMM's (`rebalanced_einsum`)."""
     sc = tuple(scalars(x) for x in operands)
     r = static_pow2_sqrt(k)
     size_out = static_count(out_shape)
     sizes = _sizes(operands)
     scale, g, cs = _contraction_scales(sc, k, size_out, sizes, calibrated)
     split = _split_multiplier(multiplier)
-    if split is not None and gemms is None:
-        raise ValueError("`multiplier` is folded into the GEMMs' factors only.")
+    if (split is not None or out_factor is not None) and gemms is None:
+        raise ValueError("`multiplier` and `out_factor` are folded into the GEMMs' factors only.")
     if gemms is not None:
         _, m = split or (1.0, 1.0)
+        f = 1.0 if out_factor is None else float(out_factor)
         out = scaled_gemms(
-            gemms, *(x.data for x in operands), _gemm_factors(cs, r, m), out_shape, out_dtype,
+            gemms, *(x.data for x in operands), _gemm_factors(cs, r, m, f), out_shape, out_dtype,
             quantized, pow2_factors=m == 1.0,
         )
         if split is not None:
             scale, g = _multiplied_scales(scale, g, multiplier)
+        if out_factor is not None:
+            scale = _divided(scale, f)
         return ScaledTensor(out, scale, g)
     beta = 1.0 / static_pow2_sqrt(_backward_sizes(sizes, k, size_out)[0])
     # float16: the first operand is pre-multiplied by 1/r (exact pow2) so a
@@ -431,6 +440,30 @@ def _expand_ellipsis(term, ndim, free):
     return term.replace("...", "".join(next(free) for _ in range(n)))
 
 
+@memoize_scalars
+def _divided(scale, f):
+    """`scale / f` (the scale `rebalance` gives)."""
+    return scale / f
+
+
+def rebalanced_einsum(subscripts, a, b, factor, out_dtype=None):
+    """`rebalance(einsum(subscripts, a, b, out_dtype=out_dtype), factor)`
+    for a static power of two `factor`: where the GEMMs of
+    `ops/_gemm.py` run the contraction, the factor joins the forward
+    GEMM's (no node and no pass of its own, forward or backward);
+    composed otherwise. The same scales and data bit for bit (a pow2
+    factor commutes with rounding), except that a narrow output that the
+    composition would overflow or flush before the factor is rounded
+    once, after it."""
+    from keras_scalify.ops.rescaling import check_rebalance_factor
+    from keras_scalify.ops.rescaling import rebalance
+
+    check_rebalance_factor(factor)
+    if not (is_scaled(a) or is_scaled(b)):
+        return rebalance(einsum(subscripts, a, b, out_dtype=out_dtype), factor)
+    return _einsum(subscripts, (a, b), out_dtype, None, None, factor)
+
+
 def einsum(subscripts, *operands, out_dtype=None, calibrated=None, multiplier=None):
     """Rule: `s = Π s_i · P(sqrt(K))`, `d = einsum(data)/P(sqrt(K))`.
 
@@ -444,6 +477,12 @@ def einsum(subscripts, *operands, out_dtype=None, calibrated=None, multiplier=No
     one custom gradient, `m` joins their factors (no pass of its own, each
     way: attention's `1/sqrt(d)`).
     """
+    return _einsum(subscripts, operands, out_dtype, calibrated, multiplier, None)
+
+
+def _einsum(subscripts, operands, out_dtype, calibrated, multiplier, out_factor):
+    """`einsum`, then `rebalance(·, out_factor)` unless `out_factor` is None
+    (`rebalanced_einsum`)."""
     if not isinstance(subscripts, str):
         raise TypeError(f"`subscripts` must be a string, got {subscripts!r}.")
     for i, x in enumerate(operands):
@@ -467,13 +506,20 @@ def einsum(subscripts, *operands, out_dtype=None, calibrated=None, multiplier=No
         extra["out_dtype"] = out_dtype
     calibrated = _check_calibrated(calibrated, len(xs))
     folded = multiplier if "gemms" in extra else None
-    out = _contract(fn, xs, k, out_shape, calibrated=calibrated, multiplier=folded, **extra)
+    rebalanced = out_factor if "gemms" in extra else None
+    out = _contract(
+        fn, xs, k, out_shape, calibrated=calibrated, multiplier=folded, out_factor=rebalanced, **extra
+    )
     if out_dtype is not None and out.dtype != out_dtype:
         out = _cast(out, out_dtype)
     if multiplier is not None and folded is None:
         from keras_scalify.ops.arithmetic import multiply
 
         out = multiply(out, multiplier)
+    if out_factor is not None and rebalanced is None:
+        from keras_scalify.ops.rescaling import rebalance
+
+        out = rebalance(out, out_factor)
     return out
 
 

@@ -166,13 +166,20 @@ def _host_grad_scale(stat, g_out, zero_may_be_underflow):
     return S.float32_scalar(math.ldexp(1.0, min(max(e_new, -126), 127)), stat)
 
 
+def check_rebalance_factor(factor):
+    """`factor` as a Python float; a ValueError unless it is a positive
+    power of two."""
+    f = float(factor)
+    if not (f > 0 and pow2.np_pow2_round_down(f) == f):
+        raise ValueError(f"`factor` must be a positive power of two, got {factor!r}.")
+    return f
+
+
 def rebalance(x, factor):
     """Rule: `s = sa/factor`, `d = a·factor` for a static power of two
     `factor`; grad scale unchanged. Exact (paper Alg. 4's `rebalance`)."""
     x = promote(x, None, "x")
-    f = float(factor)
-    if not (f > 0 and pow2.np_pow2_round_down(f) == f):
-        raise ValueError(f"`factor` must be a positive power of two, got {factor!r}.")
+    f = check_rebalance_factor(factor)
     one = ops.ones((), "float32")
     data = rescale(x.data, f, one)
     return ScaledTensor(data, stop(x.scale) / f, x.grad_scale)

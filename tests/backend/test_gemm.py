@@ -160,3 +160,58 @@ def test_weight_gradient_comes_out_of_its_gemm_scaled(rng):
         if e.primitive.name == "mul" and tuple(e.outvars[0].aval.shape) == w.shape
     ]
     assert not weight_sized, weight_sized
+
+
+@pytest.mark.parametrize("equation, a_shape, b_shape", CASES[:4] + [("acbe,aecd->abcd", (2, 3, 6, 5), (2, 5, 3, 4))])
+def test_rebalanced_einsum_is_rebalance_of_einsum_bit_for_bit(equation, a_shape, b_shape, rng, monkeypatch):
+    """Attention's combine rebalance joins the GEMM's forward factor
+    (`ops.linalg.rebalanced_einsum`): the same data, scale and grad scale,
+    and the same operand gradients, as `rebalance(einsum(...))`, with no
+    rescale of its own."""
+    from keras_scalify.ops import rescaling
+    from keras_scalify.ops.linalg import rebalanced_einsum
+
+    a = ops.convert_to_tensor(rng.standard_normal(a_shape).astype("float32"))
+    b = ops.convert_to_tensor(rng.standard_normal(b_shape).astype("float32"))
+    up = ops.convert_to_tensor(rng.standard_normal(np.einsum(equation, np.zeros(a_shape), np.zeros(b_shape)).shape).astype("float32"))
+
+    def run(combine):
+        def forward(x, w):
+            return combine(ksc.as_scaled(x, 2.0**-3, 2.0**4), ksc.as_scaled(w, 2.0**5, 2.0**-2))
+
+        grads = kb.value_and_grad(lambda x, w: ops.sum(forward(x, w).data * up))(a, b)
+        return forward(a, b), grads
+
+    y_want, want = run(lambda x, w: ksc.ops.rebalance(ksc.ops.einsum(equation, x, w), 8.0))
+    with monkeypatch.context() as m:
+        def refuse(*args):
+            raise AssertionError("a rescale node ran")
+
+        m.setattr(rescaling, "rescale", refuse)
+        y_got, got = run(lambda x, w: rebalanced_einsum(equation, x, w, 8.0))
+    for field in range(3):
+        np.testing.assert_array_equal(to_np(y_got[field]), to_np(y_want[field]))
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_array_equal(to_np(g), to_np(w))
+    with pytest.raises(ValueError, match="power of two"):
+        rebalanced_einsum(equation, ksc.as_scaled(a), ksc.as_scaled(b), 3.0)
+
+
+@pytest.mark.skipif(keras.config.backend() != "torch", reason="eager torch's batched GEMMs only")
+def test_batched_gemm_keeps_its_laid_out_operands_for_the_backward(rng):
+    """The scores product of attention (`batched_gemms`): its operands are
+    laid out once, before the custom gradient, which keeps them (not the
+    originals, laid out again in the backward); the gradients still equal
+    plain Keras's (the other tests)."""
+    import torch
+
+    equation = "aecd,abcd->acbe"
+    a = torch.tensor(rng.standard_normal((2, 5, 3, 4)).astype("float32"), requires_grad=True)
+    b = torch.tensor(rng.standard_normal((2, 6, 3, 4)).astype("float32"), requires_grad=True)
+    y = ksc.ops.einsum(equation, ksc.as_scaled(a), ksc.as_scaled(b)).data
+    node = y.grad_fn
+    while node is not None and not hasattr(node, "saved_tensors"):
+        node = node.next_functions[0][0]
+    shapes = [tuple(t.shape) for t in node.saved_tensors if t.ndim == 4]
+    # (a as batch, rows, contracted; b as batch, contracted, columns)
+    assert shapes == [(2, 3, 5, 4), (2, 3, 4, 6)], shapes
