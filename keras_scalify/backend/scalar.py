@@ -467,8 +467,11 @@ if TORCH:
         return [p.view(x.shape) for p, x in zip(pieces, xs)]
 
     def gather(values, index):
-        """`values[index]` (a 1-D tensor and int64 indices)."""
-        return values[index]
+        """`values[index]` (a 1-D tensor and int64 indices), as
+        `index_select`: indexing took 1.2 ms for the 400k small-weight
+        elements of the GPT's stochastic rounding, `index_select` 0.3 ms
+        (one CPU thread)."""
+        return torch.index_select(values, 0, index)
 
     def stack(xs):
         """The scalars or tensors `xs` stacked on a new first axis
