@@ -55,13 +55,13 @@ from keras import ops
 from keras_scalify.backend.gemm import MATMUL_2D
 from keras_scalify.backend.scalar import ELEMENTWISE_CHUNK
 from keras_scalify.backend.scalar import dtype_name
-from keras_scalify.backend.scalar import TORCH
 from keras_scalify.backend.gemm import Gemms
 from keras_scalify.backend.gemm import as_matmul
 from keras_scalify.backend.gemm import einsum_f32
 from keras_scalify.backend.gemm import flattened
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import is_2d
+from keras_scalify.backend.gemm import takes_alpha
 from keras_scalify.core.formats import saturating_cast
 from keras_scalify.core.formats import FORMATS
 from keras_scalify.core.formats import saturating_round
@@ -468,7 +468,7 @@ def _route_gemms(name, equation, fwd, bwd):
             gemm_fwd = lambda a, b, alpha=None: einsum_f32(equation, a, b, alpha)
             gemm_a = lambda g, b, alpha=None: einsum_f32(grad_a_eq, g, b, alpha)
             gemm_b = lambda a, g, alpha=None: einsum_f32(grad_b_eq, a, g, alpha)
-            alpha = TORCH
+            alpha = takes_alpha(equation)
         else:
             round_to = _torch_saturating_cast
             gemm_fwd, gemm_a, gemm_b = _torch_forward, _torch_grad_a, _torch_grad_b

@@ -47,7 +47,8 @@ the operands and the cotangent laid out as batches of matrices
 (`batched_gemms`), once per pass (after `quantize`), for the GEMMs to
 take; their results keep the layouts of `y`, `a` and `b`. `alpha`: whether
 each GEMM takes `alpha=` (a Python float it multiplies its float32 result
-by inside the GEMM, as BLAS's `alpha`: eager torch), else False.
+by inside the GEMM, as BLAS's `alpha`: eager torch's `addmm` and `bmm`
+GEMMs), else False.
 `laid_grads`: None, or `(grad_a, grad_b)` returning the cotangents in the
 laid-out shapes of `a` and `b` (as `layout[0]` and `layout[1]` give them),
 for operands laid out before the custom gradient (`ops._gemm`): autograd
@@ -149,8 +150,9 @@ def _times(x, alpha):
 def einsum_f32(equation, a, b, alpha=None):
     """`einsum(equation, a, b)` accumulated and returned in float32, times
     the Python float `alpha` where given (on torch, a matrix product takes
-    it as BLAS's `alpha`: no pass of its own; a power of two then gives
-    the bits of the product times `alpha`)."""
+    it as BLAS's `alpha`: no pass of its own, `takes_alpha`; a normal
+    power of two then gives the bits of the product times `alpha`;
+    other einsums multiply their own result)."""
     if keras.backend.backend() == "jax":
         import jax.numpy as jnp
 
@@ -288,8 +290,17 @@ def plain_gemms(equation):
         lambda a, b, alpha=None: einsum_f32(equation, a, b, alpha),
         lambda g, b, alpha=None: einsum_f32(eq_a, g, b, alpha),
         lambda a, g, alpha=None: einsum_f32(eq_b, a, g, alpha),
-        alpha=TORCH,
+        alpha=takes_alpha(equation),
     )
+
+
+def takes_alpha(equation):
+    """Whether `einsum_f32` runs `equation` (and so its two gradient
+    equations) as a GEMM that takes `alpha` itself: a product of two
+    matrices on torch (`addmm`). Other einsums would multiply their
+    result in a pass of its own, where the exact path may scale a
+    smaller operand instead."""
+    return TORCH and _matrix_product(equation) is not None
 
 
 if TORCH:

@@ -40,16 +40,23 @@ from keras_scalify.ops._common import _upstream
 from keras_scalify.ops._common import static_count
 
 
+# The float32 normal range: a factor the GEMM takes as `alpha`. (BLAS
+# skips the product for `alpha = 0`, so a zero factor would turn an
+# inf/NaN cotangent into zeros where the multiply gives NaN: it keeps the
+# multiply, as do inf and NaN factors.)
+_NORMAL_MIN, _NORMAL_MAX = 2.0**-126, 2.0**127
+
+
 def _apply(gemm, x, y, factor, out_shape, dtype, exact, alpha=False):
     """`gemm(x, y) · factor` in `dtype` (see the module docstring). A
     factor known to be 1 is not applied; one the host knows, with `alpha`
     (the GEMMs take it, `Gemms.alpha`, and it is a power of two), is the
-    GEMM's own `alpha`; on the GEMM's own result it is applied in place
-    (eager torch)."""
+    GEMM's own `alpha` when it is a normal float32 (`_NORMAL_MIN`); on
+    the GEMM's own result it is applied in place (eager torch)."""
     host = S.host_value(factor)
     if host == 1.0:
         return as_dtype(gemm(x, y), dtype)
-    if alpha and host is not None:
+    if alpha and host is not None and _NORMAL_MIN <= abs(host) <= _NORMAL_MAX:
         return as_dtype(gemm(x, y, alpha=host), dtype)
     if exact:
         smaller = _operand_to_scale(tuple(x.shape), tuple(y.shape), tuple(out_shape))

@@ -109,7 +109,6 @@ def _contraction_scales(sc, k, size_out, sizes, calibrated):
 
 
 @memoize_scalars
-@memoize_scalars
 def _gemm_factors(cs, r, m=1.0, out_factor=1.0):
     """`(m·out_factor/r, c_a·m/r, c_b·m/r)`: the factors of the forward GEMM
     and of the two backward ones (`ops/_gemm.py`); powers of two for `m =

@@ -215,3 +215,28 @@ def test_batched_gemm_keeps_its_laid_out_operands_for_the_backward(rng):
     shapes = [tuple(t.shape) for t in node.saved_tensors if t.ndim == 4]
     # (a as batch, rows, contracted; b as batch, contracted, columns)
     assert shapes == [(2, 3, 5, 4), (2, 3, 4, 6)], shapes
+
+
+def test_a_zero_factor_keeps_non_finite_cotangents(rng):
+    """An operand of scale 0 gives its GEMMs a factor 0: an inf in the
+    cotangent must still reach the gradients as NaN (`0·inf`), as the
+    multiply path gives it; BLAS's `alpha = 0` skips the product, so a
+    zero factor is never the GEMM's `alpha`."""
+    from keras_scalify.backend import scalar as S
+
+    a = ops.convert_to_tensor(rng.standard_normal((4, 3)).astype("float32"))
+    b = ops.convert_to_tensor(rng.standard_normal((3, 5)).astype("float32"))
+    up = rng.standard_normal((4, 5)).astype("float32")
+    up[1, 2] = np.inf
+    up = ops.convert_to_tensor(up)
+
+    def loss(x, w):
+        y = ksc.ops.einsum("mk,kn->mn", ksc.as_scaled(x, 0.0), ksc.as_scaled(w, 1.0))
+        return ops.sum(y.data * up)
+
+    got = kb.value_and_grad(loss)(a, b)
+    with S.memo_disabled():
+        want = kb.value_and_grad(loss)(a, b)
+    for g, w in zip(got[1], want[1]):
+        assert np.isnan(to_np(w)).any()
+        np.testing.assert_array_equal(to_np(g), to_np(w))
