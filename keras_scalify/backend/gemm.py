@@ -249,11 +249,12 @@ def flattened(gemms_2d, nk):
 
     # The cotangent made contiguous once (a permuted view arrives from an
     # attention product): its two reshapes are then views, not two copies.
-    layout = (_same, _same, _contiguous) if TORCH else None
+    layout = (same, same, _contiguous) if TORCH else None
     return Gemms(forward, grad_a, grad_b, gemms_2d.quantize, layout, gemms_2d.alpha)
 
 
-def _same(x):
+def same(x):
+    """`x` itself: a layout that leaves an operand as it is."""
     return x
 
 

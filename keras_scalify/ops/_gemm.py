@@ -34,6 +34,7 @@ from keras import ops
 
 from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.backend import fused
+from keras_scalify.backend.gemm import same
 from keras_scalify.backend import scalar as S
 from keras_scalify.core.pow2 import as_dtype
 from keras_scalify.ops._common import _upstream
@@ -95,10 +96,6 @@ def _with_sum_factors(factors, sum_factors):
     output `y` joins a sum `y·fa + c·fb` with backward factor `ba`."""
     (f_out, f_a, f_b), (fa, ba) = factors, sum_factors
     return f_out * fa, f_a * ba, f_b * ba
-
-
-def _as_is(x):
-    return x
 
 
 def _laid_out(layout, i, x):
@@ -203,7 +200,7 @@ def scaled_gemms(
         a, b = lay[0](a), lay[1](b)
         a_shape, b_shape = tuple(a.shape), tuple(b.shape)
         grad_a, grad_b = gemms.laid_grads
-        lay = (_as_is, _as_is, lay[2])
+        lay = (same, same, lay[2])
 
     @ops.custom_gradient
     def fn(a, b, f_out, f_a, f_b):
