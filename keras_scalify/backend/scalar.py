@@ -16,8 +16,10 @@ follows the tensor's, as in Keras. They are plain torch calls, so
 `torch.compile` traces them too.
 """
 
+import builtins
 import contextlib
 import math
+import threading
 import weakref
 
 import numpy as np
@@ -401,10 +403,57 @@ if TORCH:
     bitwise_xor_in_place = _in_place("bitwise_xor_", bitwise_xor, "bitwise_xor")
     right_shift_in_place = _in_place("bitwise_right_shift_", right_shift, "right_shift")
 
+    _SCRATCH = threading.local()
+
+    def _scratch(role, n, dtype, device):
+        """`n` uninitialized elements of a 1-D buffer kept for `role` (per
+        thread, dtype and device; at most `ELEMENTWISE_CHUNK` elements):
+        a chunk's temporaries reused from one call to the next. (Freed
+        ~1 MB tensors go back to the system through glibc's heap trim and
+        fault back in on the next allocation: a stochastic rounding chunk
+        took ~600 page faults, half its time.)"""
+        pool = _SCRATCH.__dict__.setdefault("pool", {})
+        key = (role, dtype, device)
+        buffer = pool.get(key)
+        if buffer is None or buffer.numel() < n:
+            buffer = pool[key] = torch.empty(builtins.max(n, ELEMENTWISE_CHUNK), dtype=dtype, device=device)
+        return buffer[:n]
+
+    def _reusable(x):
+        """Whether `x`'s temporaries can be `_scratch` buffers: a writable
+        CPU tensor of at most `ELEMENTWISE_CHUNK` elements."""
+        return _writable(x) and x.device.type == "cpu" and x.numel() <= ELEMENTWISE_CHUNK
+
     def scratch_like(x):
         """An uninitialized tensor like `x` for `right_shift_into` to
-        write, where `x` is writable (eager torch); else None."""
-        return torch.empty_like(x) if _writable(x) else None
+        write, where `x` is writable (eager torch; a reused buffer for a
+        chunk-sized CPU tensor); else None."""
+        if not _writable(x):
+            return None
+        if _reusable(x):
+            return _scratch("scratch_like", x.numel(), x.dtype, x.device).view(x.shape)
+        return torch.empty_like(x)
+
+    _WEYL = {}
+
+    def weyl_chunk(start, shape, multiplier, offset, like):
+        """`(start + i)·multiplier + offset` over the flat indices `i` of
+        `shape`, wrapping int32 (`multiplier` a Python int, `offset` an
+        int32 scalar tensor): a chunk's hash input. For a `_reusable`
+        `like` (the chunk it is for), it is written into a reused buffer
+        (valid until the next call; the caller consumes it) as one add to
+        a cached `i·multiplier` table, instead of an `arange` and two
+        passes."""
+        n = math.prod(shape)
+        if not _reusable(like):
+            return add_in_place(multiply_in_place(int32_range(start, shape), multiplier), offset)
+        key = (multiplier, like.device)
+        table = _WEYL.get(key)
+        if table is None or table.numel() < n:
+            table = _WEYL[key] = int32_range(0, (builtins.max(n, ELEMENTWISE_CHUNK),)).to(like.device).mul_(multiplier)
+        shift = (start * multiplier + 2**31) % 2**32 - 2**31  # wrapped to int32
+        out = _scratch("weyl_chunk", n, torch.int32, like.device).view(shape)
+        return torch.add(table[:n].view(shape), offset + shift, out=out)
 
     def right_shift_into(x, n, out):
         """`right_shift(x, n)`, written into `out` (a `scratch_like`
@@ -413,23 +462,35 @@ if TORCH:
             return torch.bitwise_right_shift(x, n, out=out)
         return right_shift(x, n)
 
-    def chunked(fn, x, dtype):
-        """`fn(x, 0)` computed `ELEMENTWISE_CHUNK` flat elements at a time:
-        `fn(piece, start)` maps a 1-D slice of `x` starting at flat index
-        `start` to its elementwise result in `dtype` (it may write the
-        slice in place where `x` is writable). Eager torch on a CPU only
+    def chunked(fn, x, dtype, into=None):
+        """`cast(fn(x, 0), dtype)` computed `ELEMENTWISE_CHUNK` flat
+        elements at a time: `fn(piece, start)` maps a 1-D slice of `x`
+        starting at flat index `start` to its elementwise result, values
+        that `dtype` represents exactly (it may write the slice in place
+        where `x` is writable, and return a `_scratch` buffer: the result
+        is copied out before the next piece). `into`: a tensor of `x`'s
+        shape and `dtype` that nothing reads any more (a weight's stored
+        data, re-encoded), written with the result and returned (no new
+        tensor, no copy into the variable after). Eager torch on a CPU only
         (a GPU streams each pass at full bandwidth, and each chunk costs
         kernel launches there); on a GPU, while `torch.compile` traces,
         and for small tensors, one call."""
         n = x.numel() if isinstance(x, torch.Tensor) else 0
+        writes = (
+            into is not None and _writable(into) and into.is_contiguous()
+            and into.dtype == to_torch_dtype(dtype) and into.shape == x.shape
+        )
         if n <= ELEMENTWISE_CHUNK or _compiling() or x.device.type != "cpu":
-            return fn(x, 0)
+            return into.copy_(fn(x, 0)) if writes else cast(fn(x, 0), dtype)
         flat = x.reshape(-1)
-        out = torch.empty(n, dtype=to_torch_dtype(dtype), device=x.device)
+        if writes:
+            out = into.view(-1)
+        else:
+            out = torch.empty(n, dtype=to_torch_dtype(dtype), device=x.device)
         for start in range(0, n, ELEMENTWISE_CHUNK):
             end = start + ELEMENTWISE_CHUNK
             out[start:end].copy_(fn(flat[start:end], start))
-        return out.view(x.shape)
+        return into if writes else out.view(x.shape)
 
     def batches(x):
         """Whether `x` is rounded together with other small tensors
@@ -798,9 +859,15 @@ else:
         """`right_shift(x, n)` (`out` is None here)."""
         return right_shift(x, n)
 
-    def chunked(fn, x, dtype):
-        """`fn(x, 0)`: traced backends fuse the passes themselves."""
-        return fn(x, 0)
+    def weyl_chunk(start, shape, multiplier, offset, like):
+        """`(start + i)·multiplier + offset` over the flat indices `i` of
+        `shape`, wrapping int32."""
+        return add_in_place(multiply_in_place(int32_range(start, shape), multiplier), offset)
+
+    def chunked(fn, x, dtype, into=None):
+        """`cast(fn(x, 0), dtype)`: traced backends fuse the passes
+        themselves (`into` is not written: no in-place writes)."""
+        return cast(fn(x, 0), dtype)
 
     def batches(x):
         """Never: traced backends fuse each tensor's passes (the batching

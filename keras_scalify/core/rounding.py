@@ -88,7 +88,7 @@ def draw_key(seed):
     return keras.random.randint((), -(2**31), 2**31 - 1, dtype="int32", seed=seed)
 
 
-def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
+def stochastic_cast(x, dtype, seed=None, key=None, owned=False, into=None):
     """Cast float32 `x` to `dtype` (float16 or bfloat16) with stochastic
     rounding, saturating at the format's max; float32 is returned as is.
 
@@ -101,6 +101,9 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
             `random_bits(x.shape, key)`.
         owned: `x` is a float32 tensor no one else reads: it is clipped in
             place (eager torch).
+        into: a tensor of `x`'s shape in `dtype` that no one reads any
+            more: on eager torch the result is written there and returned
+            (elsewhere, a new tensor).
     """
     dtype = standardize_dtype(dtype)
     x = S.cast(x, "float32")
@@ -116,27 +119,30 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False):
     hashed_key = hash32(S.cast(key, "int32"))
 
     def piece(x, start):
-        # (Eager torch: a slice at a time, `backend.scalar.chunked`.)
-        return _round_bits(x, dtype, S.int32_range(start, tuple(x.shape)), hashed_key, clip)
+        # (Eager torch: a slice at a time into reused buffers,
+        # `backend.scalar.chunked` and `weyl_chunk`.)
+        weyl = S.weyl_chunk(start, tuple(x.shape), _GOLDEN, hashed_key, x)
+        return _round_bits(x, dtype, hash32(weyl, owned=True), clip)
 
-    return S.chunked(piece, x, dtype)
+    return S.chunked(piece, x, dtype, into)
 
 
-def _round_bits(x, dtype, index, hashed_key, clip):
-    """The stochastic cast of float32 `x` to `dtype` with the random bits
-    `hash32(index · golden + hashed_key)` (`index`: each element's int32
-    flat index, written over; `hashed_key`: a scalar or per element)."""
+def _round_bits(x, dtype, random, clip):
+    """The stochastic rounding of float32 `x` to `dtype`'s precision with
+    the int32 random bits `random` (written over), as float32 values that
+    `dtype` represents exactly."""
     k = DROPPED_BITS[dtype]
     big = get_format(dtype).max
     bits = S.view(clip(x, -big, big), "int32")
-    noise = _shift_right(_hashed(index, hashed_key), 32 - k, owned=True)
+    noise = _shift_right(random, 32 - k, owned=True)
     bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
-    return S.cast(S.view(bits, "float32"), dtype)
+    return S.view(bits, "float32")
 
 
-def stochastic_cast_all(xs, dtype, keys, owned=False):
-    """`[stochastic_cast(x, dtype, key=key, owned=owned) for x, key in
-    zip(xs, keys)]`, bit for bit. On eager torch the small tensors
+def stochastic_cast_all(xs, dtype, keys, owned=False, intos=None):
+    """`[stochastic_cast(x, dtype, key=key, owned=owned, into=into) for x,
+    key, into in zip(xs, keys, intos)]`, bit for bit (`intos`: None for
+    no `into`). On eager torch the small tensors
     (`backend.scalar.batches`: a model's biases, norms, attention
     projections) are rounded together, concatenated: one pass of ~20 ops
     instead of ~20 ops each."""
@@ -147,10 +153,12 @@ def stochastic_cast_all(xs, dtype, keys, owned=False):
         group = [xs[i] for i in small]
         flat, index, segment = S.concatenate_flat(group)
         hashed = hash32(S.cast(S.stack([keys[i] for i in small]), "int32"))
-        rounded = _round_bits(flat, dtype, index, S.gather(hashed, segment), S.clip_in_place)
+        random = _hashed(index, S.gather(hashed, segment))
+        rounded = S.cast(_round_bits(flat, dtype, random, S.clip_in_place), dtype)
         for i, piece in zip(small, S.split_like(rounded, group)):
             out[i] = piece
+    intos = [None] * len(xs) if intos is None else intos
     return [
-        y if y is not None else stochastic_cast(x, dtype, key=key, owned=owned)
-        for x, key, y in zip(xs, keys, out)
+        y if y is not None else stochastic_cast(x, dtype, key=key, owned=owned, into=into)
+        for x, key, y, into in zip(xs, keys, out, intos)
     ]

@@ -437,11 +437,14 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 [sv.master_dtype for sv, _, _ in weights],
                 self._rounding_keys(weights),
                 owned=guard is True and native,
+                # (Bound: the stored data was decoded and is read no more;
+                # a rounded weight is written into it.)
+                intos=stored if bound else None,
             )
             writes = []
             for (sv, _, old_scale), (data, scale), src in zip(weights, encoded, stored):
-                # (Bound, float32 data was re-encoded in its own tensor, and
-                # a scale the host sees unchanged is not written.)
+                # (Bound, data re-encoded in its own tensor is not written
+                # again, nor a scale the host sees unchanged.)
                 if not (bound and data is src):
                     writes.append(commit(sv.data, data))
                 known = S.host_value(old_scale) if bound else None

@@ -55,7 +55,7 @@ def rescale_factors(datas, rescale):
     return S.unstack(factors)
 
 
-def encode_weights(values, scales, dtypes, keys, owned=False):
+def encode_weights(values, scales, dtypes, keys, owned=False, intos=None):
     """`(data, scale)` of each float32 weight in `values` with its pow2
     scale in `scales` (the current scale times its `rescale_factors`
     entry, kept in the normal range `[2**-126, 2**126]`): `data = value ·
@@ -73,6 +73,10 @@ def encode_weights(values, scales, dtypes, keys, owned=False):
         owned: the values are tensors of this step that nothing else reads
             (eager torch's in-place update of the decoded weights): they
             are scaled in place, without weight-sized temporaries.
+        intos: per weight, its stored data when nothing reads it any more
+            (eager torch's native update, the weights decoded): a
+            stochastically rounded weight is written there (the returned
+            data is then that tensor). None: new tensors.
     """
     # A normal pow2 scale has an exact reciprocal: one multiply per
     # element instead of a divide (the scale is kept normal).
@@ -89,7 +93,11 @@ def encode_weights(values, scales, dtypes, keys, owned=False):
             rounded.setdefault(dtype, []).append(i)
     for dtype, indices in rounded.items():
         datas = stochastic_cast_all(
-            [out[i][0] for i in indices], dtype, [keys[i] for i in indices], owned=owned
+            [out[i][0] for i in indices],
+            dtype,
+            [keys[i] for i in indices],
+            owned=owned,
+            intos=None if intos is None else [intos[i] for i in indices],
         )
         for i, data in zip(indices, datas):
             out[i][0] = data

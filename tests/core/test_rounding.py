@@ -136,3 +136,21 @@ def test_stochastic_cast_all_is_each_tensors_cast(monkeypatch, dtype):
         np.testing.assert_array_equal(
             ops.convert_to_numpy(ops.cast(y, "float32")), ops.convert_to_numpy(ops.cast(want, "float32"))
         )
+
+
+@pytest.mark.parametrize("size", [50, 250])
+def test_stochastic_casts_do_not_share_reused_buffers(monkeypatch, size):
+    # Eager torch rounds a chunk in reused buffers (`backend.scalar`'s
+    # scratch): a result must not be one of them, or the next cast would
+    # overwrite it.
+    from keras_scalify.backend import scalar
+
+    monkeypatch.setattr(scalar, "ELEMENTWISE_CHUNK", 100)
+    rng = np.random.default_rng(2)
+    x1, x2 = (rng.standard_normal(size).astype(np.float32) for _ in range(2))
+    key = ops.convert_to_tensor(np.int32(9))
+    y1 = stochastic_cast(ops.convert_to_tensor(x1), "float16", key=key, owned=True)
+    before = ops.convert_to_numpy(ops.cast(y1, "float32")).copy()
+    stochastic_cast(ops.convert_to_tensor(x2), "float16", key=key, owned=True)
+    np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(y1, "float32")), before)
+    np.testing.assert_allclose(before, x1, rtol=2**-10)

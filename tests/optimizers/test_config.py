@@ -133,3 +133,51 @@ def test_stateless_apply_equals_apply_with_ema_and_a_constraint():
     (w1, o1), (w2, o2) = results
     for a, b in zip(w1 + o1, w2 + o2):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(
+    keras.config.backend() == "tensorflow",
+    reason="Keras refuses stateless_apply on TensorFlow (tf.distribute)",
+)
+def test_fp16_master_weights_rounded_into_their_storage_equal_stateless_apply(monkeypatch):
+    """FP16 master weights rounded stochastically: `apply` writes what
+    `stateless_apply` computes, bit for bit. On eager torch a taken step
+    rounds each large weight chunk by chunk into its variable's own
+    tensor: the step's writes do not include it."""
+    from keras import ops
+
+    from keras_scalify.backend import scalar
+    from keras_scalify.optimizers import scaled_optimizer
+
+    monkeypatch.setattr(scalar, "ELEMENTWISE_CHUNK", 64)  # the kernels chunk
+    written = []
+    assign_all = scaled_optimizer.assign_all
+    monkeypatch.setattr(
+        scaled_optimizer, "assign_all", lambda pairs: (written.extend(v for v, _ in pairs), assign_all(pairs))[1]
+    )
+    results = []
+    for stateless in (False, True):
+        model = scaled_mlp("scaled_fp8")
+        opt = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2), seed=3)
+        opt.build(model.trainable_variables)
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            written.clear()
+            grads = [ops.convert_to_tensor(rng.standard_normal(v.shape).astype(v.dtype)) for v in model.trainable_variables]
+            if stateless:
+                tv, ov = opt.stateless_apply(
+                    [v.value for v in opt.variables], grads, [v.value for v in model.trainable_variables]
+                )
+                for v, value in zip(model.trainable_variables, tv):
+                    v.assign(value)
+                for v, value in zip(opt.variables, ov):
+                    v.assign(value)
+            else:
+                opt.apply(grads, model.trainable_variables)
+                kernels = [v for v in model.trainable_variables if v.dtype == "float16" and np.prod(v.shape) > 64]
+                assert kernels
+                in_writes = [any(w is k for w in written) for k in kernels]
+                assert in_writes == [keras.backend.backend() != "torch"] * len(kernels)
+        results.append(represented_weights(model))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
