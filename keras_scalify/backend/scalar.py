@@ -57,6 +57,14 @@ def dtype_name(dtype):
         return standardize_dtype(dtype)
 
 
+def _halves_ops(h, n, mask):
+    """`halves` with `keras.ops` (an arithmetic shift: `mask` drops the
+    sign bits)."""
+    low = ops.bitwise_and(h, mask)
+    high = ops.bitwise_and(ops.right_shift(h, 16), mask)
+    return ops.reshape(ops.stack([low, high], axis=-1), (-1,))[:n]
+
+
 def _sum_to_ops(x, shape):
     """`sum_to` with `keras.ops`: the leading axes `x` has beyond `shape`,
     and those where `shape` is 1, summed."""
@@ -426,8 +434,9 @@ if TORCH:
 
     def scratch_like(x):
         """An uninitialized tensor like `x` for `right_shift_into` to
-        write, where `x` is writable (eager torch; a reused buffer for a
-        chunk-sized CPU tensor); else None."""
+        write, where `x` is writable (eager torch; for a chunk-sized CPU
+        tensor a reused buffer, valid until the next `scratch_like` call:
+        never `x` itself); else None."""
         if not _writable(x):
             return None
         if _reusable(x):
@@ -454,6 +463,17 @@ if TORCH:
         shift = (start * multiplier + 2**31) % 2**32 - 2**31  # wrapped to int32
         out = _scratch("weyl_chunk", n, torch.int32, like.device).view(shape)
         return torch.add(table[:n].view(shape), offset + shift, out=out)
+
+    def halves(h, n, mask, like):
+        """The 16-bit halves of the int32 `h` (1-D), low half first, each
+        `& mask` (`mask < 2**16`): `2·len(h)` int32 values, of which the
+        first `n`. For a `_reusable` `like`, in a reused buffer (valid
+        until the next call): one converting copy of `h`'s int16 view
+        and one mask."""
+        if not (_reusable(like) and h.is_contiguous()):
+            return _halves_ops(h, n, mask)
+        out = _scratch("halves", 2 * h.numel(), torch.int32, h.device)
+        return out.copy_(h.view(torch.int16)).bitwise_and_(mask)[:n]
 
     def right_shift_into(x, n, out):
         """`right_shift(x, n)`, written into `out` (a `scratch_like`
@@ -854,6 +874,11 @@ else:
     def scratch_like(x):
         """No scratch tensors on traced backends."""
         return None
+
+    def halves(h, n, mask, like):
+        """The 16-bit halves of the int32 `h` (1-D), low half first, each
+        `& mask` (`mask < 2**16`): the first `n` of `2·len(h)`."""
+        return _halves_ops(h, n, mask)
 
     def right_shift_into(x, n, out):
         """`right_shift(x, n)` (`out` is None here)."""

@@ -13,15 +13,22 @@ next representable value exactly when the random draw is below the
 discarded fraction. Exact for every normal target value; values in
 float16's subnormal range (|x| < 2**-14) then round to nearest.
 
-The random integers come from `random_bits`, a counter-based hash of each
-element's index and a 32-bit key, in int32 `keras.ops`: one pass of
-integer arithmetic that fuses with the cast, the same bits on every
-backend. (`keras.random.randint` on JAX's default threefry generator took
-10.8 ms per million elements on the 2-core CPU, the hash 0.33 ms: on a
-1.9M-parameter model that was most of the optimizer's step.)
+The random integers come from a counter-based hash (`hash32`, as in
+`random_bits`) of a 32-bit key and the index of each *pair* of elements:
+its low 16 bits serve the pair's first element, its high 16 bits the
+second, each masked to its `k` bits. In int32 `keras.ops`: integer
+arithmetic that fuses with the cast, the same bits on every backend.
+(`keras.random.randint` on JAX's default threefry generator took 10.8 ms
+per million elements on the 2-core CPU, the hash 0.33 ms: on a
+1.9M-parameter model that was most of the optimizer's step. One hash per
+two elements halves that again: on eager torch each of its 11 integer
+ops is a pass of its own.)
 """
 
+import math
+
 import keras
+from keras import ops
 from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import scalar as S
@@ -97,13 +104,15 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False, into=None):
         dtype: "float16", "bfloat16" or "float32".
         seed: a `keras.random.SeedGenerator` or an int (as `keras.random`),
             from which one key is drawn; ignored when `key` is given.
-        key: an int32 scalar tensor: the random bits are
-            `random_bits(x.shape, key)`.
+        key: an int32 scalar tensor: the random bits of elements `2j` and
+            `2j + 1` (flat) are the low and high halves of entry `j` of
+            `random_bits((ceil(size / 2),), key)`.
         owned: `x` is a float32 tensor no one else reads: it is clipped in
             place (eager torch).
         into: a tensor of `x`'s shape in `dtype` that no one reads any
-            more: on eager torch the result is written there and returned
-            (elsewhere, a new tensor).
+            more: on eager torch (a contiguous tensor outside autograd)
+            the result may be written there and `into` returned; callers
+            compare identity (elsewhere, a new tensor).
     """
     dtype = standardize_dtype(dtype)
     x = S.cast(x, "float32")
@@ -120,21 +129,29 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False, into=None):
 
     def piece(x, start):
         # (Eager torch: a slice at a time into reused buffers,
-        # `backend.scalar.chunked` and `weyl_chunk`.)
-        weyl = S.weyl_chunk(start, tuple(x.shape), _GOLDEN, hashed_key, x)
-        return _round_bits(x, dtype, hash32(weyl, owned=True), clip)
+        # `backend.scalar.chunked`, `weyl_chunk` and `halves`; a chunk
+        # starts at an even index, so its pairs are the whole tensor's.)
+        if start % 2:
+            raise ValueError(f"A chunk must start at an even index, got {start}.")
+        n = math.prod(tuple(x.shape))
+        weyl = S.weyl_chunk(start // 2, ((n + 1) // 2,), _GOLDEN, hashed_key, x)
+        noise = S.halves(hash32(weyl, owned=True), n, (1 << k) - 1, x)
+        if len(x.shape) != 1:
+            noise = ops.reshape(noise, tuple(x.shape))
+        return _round_bits(x, dtype, noise, clip)
 
+    k = DROPPED_BITS[dtype]
     return S.chunked(piece, x, dtype, into)
 
 
-def _round_bits(x, dtype, random, clip):
+def _round_bits(x, dtype, noise, clip):
     """The stochastic rounding of float32 `x` to `dtype`'s precision with
-    the int32 random bits `random` (written over), as float32 values that
-    `dtype` represents exactly."""
+    the int32 noise `noise` (uniform below `2**k`, for the `k` bits `dtype`
+    drops; written over), as float32 values that `dtype` represents
+    exactly."""
     k = DROPPED_BITS[dtype]
     big = get_format(dtype).max
     bits = S.view(clip(x, -big, big), "int32")
-    noise = _shift_right(random, 32 - k, owned=True)
     bits = S.bitwise_and_in_place(S.add_in_place(noise, bits), -(2**k))
     return S.view(bits, "float32")
 
@@ -142,7 +159,7 @@ def _round_bits(x, dtype, random, clip):
 def stochastic_cast_all(xs, dtype, keys, owned=False, intos=None):
     """`[stochastic_cast(x, dtype, key=key, owned=owned, into=into) for x,
     key, into in zip(xs, keys, intos)]`, bit for bit (`intos`: None for
-    no `into`). On eager torch the small tensors
+    no `into`; a batched small tensor is not written into). On eager torch the small tensors
     (`backend.scalar.batches`: a model's biases, norms, attention
     projections) are rounded together, concatenated: one pass of ~20 ops
     instead of ~20 ops each."""
@@ -153,8 +170,11 @@ def stochastic_cast_all(xs, dtype, keys, owned=False, intos=None):
         group = [xs[i] for i in small]
         flat, index, segment = S.concatenate_flat(group)
         hashed = hash32(S.cast(S.stack([keys[i] for i in small]), "int32"))
-        random = _hashed(index, S.gather(hashed, segment))
-        rounded = S.cast(_round_bits(flat, dtype, random, S.clip_in_place), dtype)
+        # Each element's pair hash and its half (its own index's parity).
+        half = S.multiply_in_place(S.bitwise_and(index, 1), 16)
+        pairs = _hashed(S.right_shift_in_place(index, 1), S.gather(hashed, segment))
+        noise = S.bitwise_and_in_place(S.right_shift(pairs, half), (1 << DROPPED_BITS[dtype]) - 1)
+        rounded = S.cast(_round_bits(flat, dtype, noise, S.clip_in_place), dtype)
         for i, piece in zip(small, S.split_like(rounded, group)):
             out[i] = piece
     intos = [None] * len(xs) if intos is None else intos

@@ -438,7 +438,9 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 self._rounding_keys(weights),
                 owned=guard is True and native,
                 # (Bound: the stored data was decoded and is read no more;
-                # a rounded weight is written into it.)
+                # a rounded weight is written into it. An error after this
+                # would leave new data beside old scales and slots, as the
+                # in-place float32 update already could.)
                 intos=stored if bound else None,
             )
             writes = []

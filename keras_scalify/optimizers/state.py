@@ -75,8 +75,9 @@ def encode_weights(values, scales, dtypes, keys, owned=False, intos=None):
             are scaled in place, without weight-sized temporaries.
         intos: per weight, its stored data when nothing reads it any more
             (eager torch's native update, the weights decoded): a
-            stochastically rounded weight is written there (the returned
-            data is then that tensor). None: new tensors.
+            stochastically rounded weight may be written there (the
+            returned data is then that tensor: callers compare identity).
+            None: new tensors.
     """
     # A normal pow2 scale has an exact reciprocal: one multiply per
     # element instead of a divide (the scale is kept normal).

@@ -95,14 +95,14 @@ def test_stochastic_cast_with_a_key_is_deterministic():
 @pytest.mark.parametrize("owned", [False, True])
 def test_stochastic_cast_matches_the_reference_in_chunks(monkeypatch, dtype, owned):
     # Eager torch rounds 100 elements at a time here (the last chunk
-    # partial); every backend matches the NumPy reference bit for bit.
+    # partial, of odd size); every backend matches the NumPy reference bit for bit.
     import ml_dtypes
 
     from keras_scalify.backend import scalar
 
     monkeypatch.setattr(scalar, "ELEMENTWISE_CHUNK", 100)
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal(1050) * 10.0 ** rng.integers(-3, 3, 1050)).astype(np.float32)
+    x = (rng.standard_normal(1051) * 10.0 ** rng.integers(-3, 3, 1051)).astype(np.float32)
     x[:4] = [1e6, -1e6, 0.0, -0.0]
     key = 12345
     got = stochastic_cast(ops.convert_to_tensor(x.copy()), dtype, key=ops.convert_to_tensor(np.int32(key)), owned=owned)
@@ -110,7 +110,11 @@ def test_stochastic_cast_matches_the_reference_in_chunks(monkeypatch, dtype, own
     k = {"float16": 13, "bfloat16": 16}[dtype]
     big = float(ml_dtypes.finfo(getattr(ml_dtypes, dtype, np.float16)).max)
     bits = np.clip(x, -big, big).view(np.uint32)
-    noise = _np_random_bits(x.shape, key).view(np.uint32) >> np.uint32(32 - k)
+    # One hash per pair of elements: its low half for the first, its
+    # high half for the second, each masked to the k dropped bits.
+    pairs = _np_random_bits(((x.size + 1) // 2,), key).view(np.uint32)
+    halves = np.stack([pairs & np.uint32(0xFFFF), pairs >> np.uint32(16)], axis=-1).reshape(-1)[: x.size]
+    noise = halves & np.uint32((1 << k) - 1)
     with np.errstate(over="ignore"):
         rounded = ((bits + noise) & np.uint32((1 << 32) - (1 << k))).view(np.float32)
     want = rounded.astype(getattr(ml_dtypes, dtype, np.float16)).astype(np.float32)
@@ -154,3 +158,26 @@ def test_stochastic_casts_do_not_share_reused_buffers(monkeypatch, size):
     stochastic_cast(ops.convert_to_tensor(x2), "float16", key=key, owned=True)
     np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(y1, "float32")), before)
     np.testing.assert_allclose(before, x1, rtol=2**-10)
+
+
+@pytest.mark.parametrize("size", [50, 250])
+def test_stochastic_cast_into_a_tensor_equals_a_new_one(monkeypatch, size):
+    # Eager torch writes the result into `into` (one call or chunk by
+    # chunk) and returns it; a non-contiguous `into` gets a new tensor.
+    # The bits are the same either way, on every backend.
+    import keras
+
+    from keras_scalify.backend import scalar
+
+    monkeypatch.setattr(scalar, "ELEMENTWISE_CHUNK", 100)
+    x = np.random.default_rng(3).standard_normal(size).astype(np.float32)
+    key = ops.convert_to_tensor(np.int32(21))
+    want = ops.convert_to_numpy(ops.cast(stochastic_cast(ops.convert_to_tensor(x), "float16", key=key), "float32"))
+    into = ops.zeros((size,), "float16")
+    got = stochastic_cast(ops.convert_to_tensor(x), "float16", key=key, owned=True, into=into)
+    assert (got is into) == (keras.backend.backend() == "torch")
+    np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(got, "float32")), want)
+    strided = ops.zeros((size, 2), "float16")[:, 0]
+    got = stochastic_cast(ops.convert_to_tensor(x), "float16", key=key, into=strided)
+    assert got is not strided
+    np.testing.assert_array_equal(ops.convert_to_numpy(ops.cast(got, "float32")), want)
