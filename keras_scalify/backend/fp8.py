@@ -257,17 +257,23 @@ def _round_torch(x, dtype):
     `saturating_cast` keeps them (NaN; ±inf in E5M2, NaN in E4M3)."""
     import torch
 
+    from keras_scalify.backend.scalar import scratch_buffer  # (torch only)
+
     fmt = FORMATS[dtype_name(dtype)]
-    x = x.float().contiguous()
-    bits = x.view(-1).view(torch.int32)
-    out = torch.empty_like(bits)
+    flat = x.contiguous().view(-1)
+    out = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
     # (Chunks on a CPU only: a GPU streams each pass at full bandwidth.)
-    chunk = ELEMENTWISE_CHUNK if bits.device.type == "cpu" else bits.numel()
-    size = min(chunk, bits.numel()) or 1
-    scratch = tuple(torch.empty(size, dtype=torch.int32, device=bits.device) for _ in range(2))
-    for start in range(0, bits.numel(), size):
-        end = start + size
-        _round_chunk(bits[start:end], out[start:end], scratch, fmt)
+    chunk = ELEMENTWISE_CHUNK if flat.device.type == "cpu" else flat.numel()
+    size = min(chunk, flat.numel()) or 1
+    # Temporaries in reused buffers on a CPU (`scratch_buffer`: no
+    # allocation, and no page faults, per call); a narrower input is
+    # widened a chunk at a time.
+    scratch = tuple(scratch_buffer(f"fp8_round_{i}", size, torch.int32, flat.device) for i in range(2))
+    for start in range(0, flat.numel(), size):
+        piece = flat[start : start + size]
+        if piece.dtype != torch.float32:
+            piece = scratch_buffer("fp8_round_wide", piece.numel(), torch.float32, flat.device).copy_(piece)
+        _round_chunk(piece.view(torch.int32), out[start : start + size], scratch, fmt)
     return out.view(torch.float32).view(x.shape)
 
 

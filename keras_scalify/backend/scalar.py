@@ -427,6 +427,15 @@ if TORCH:
             buffer = pool[key] = torch.empty(builtins.max(n, ELEMENTWISE_CHUNK), dtype=dtype, device=device)
         return buffer[:n]
 
+    def scratch_buffer(role, n, dtype, device):
+        """`n` uninitialized elements for a chunk's temporaries: on a CPU
+        outside `torch.compile`, up to `ELEMENTWISE_CHUNK` of them, the
+        reused buffer of `role` (valid until the next call for `role`);
+        else a new tensor."""
+        if _compiling() or torch.device(device).type != "cpu" or n > ELEMENTWISE_CHUNK:
+            return torch.empty(n, dtype=dtype, device=device)
+        return _scratch(role, n, dtype, device)
+
     def _reusable(x):
         """Whether `x`'s temporaries can be `_scratch` buffers: a writable
         CPU tensor of at most `ELEMENTWISE_CHUNK` elements."""
