@@ -3,7 +3,7 @@
     KERAS_BACKEND=jax python benchmarks/step_time.py [--model mlp|gpt|both|gpt2-hub|llama-hub]
         [--steps 40] [--warmup 3] [--rounds 4] [--batch-size N]
         [--fp8-route auto] [--rows ROW ...] [--breakdown] [--jit-compile]
-        [--op-count]
+        [--op-count] [--keep-heap]
 
 Two models, each built six ways and trained with Adam by
 `model.train_on_batch` on one fixed batch (no input pipeline is timed):
@@ -70,7 +70,14 @@ as a Python float, so every timed call includes the device sync. The table
 gives the median ms/step and the ratio of medians to the Keras counterpart,
 with the issues' targets (scaled_float32 <= 1.15x Keras float32 on jax and
 TensorFlow, <= 1.25x on torch; scaled_fp8 <= 1.0x Keras float8, checked
-for both FP8 rows) and whether this run meets them. `--jit-compile` passes
+for both FP8 rows) and whether this run meets them. The last column is
+the median minor page faults per step (Unix): eager torch on a CPU
+allocates every temporary through malloc, and glibc returns freed memory
+to the system (heap trimming, `mmap`ed blocks), so a step that allocates
+more than the last one faults its pages back in (~1-2 ms per thousand
+faults on the 2-core machines), and which row pays depends on the heap
+the rows share. `--keep-heap` (glibc) keeps freed memory in the heap for
+the whole run, every row alike, as a caching allocator (a GPU's) does. `--jit-compile` passes
 `jit_compile=True` to every row's `compile` (on torch: `torch.compile`).
 
 A model whose stateless sublayers stay unbuilt after a train step (the
@@ -86,6 +93,7 @@ torch's default threads a loaded 2-core machine gave 5-10x erratic times).
 """
 
 import argparse
+import ctypes
 import os
 import sys
 import time
@@ -319,18 +327,57 @@ def batch(model_name, args, batch_size):
 # --- timing --------------------------------------------------------------------
 
 
+def minor_faults():
+    """This process's minor page faults so far (None where the OS does not
+    count them: `resource` is Unix only)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# glibc's `mallopt` parameters, and the largest mmap threshold it accepts
+# on 64-bit (`DEFAULT_MMAP_THRESHOLD_MAX`).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def keep_heap(libc=None):
+    """`--keep-heap`: glibc keeps freed memory in the process's heap for the
+    rest of the run (every row alike) instead of returning it to the
+    system (heap trimming above `M_TRIM_THRESHOLD`, `mmap` for blocks above
+    `M_MMAP_THRESHOLD`), so that a step reuses pages instead of
+    page-faulting fresh ones back in: what a caching allocator (a GPU's)
+    does. Eager torch on a CPU allocates every temporary through malloc;
+    which row pays the faults then depends on the heap the rows share.
+    Raises where the C library has no `mallopt` (not glibc) or refuses."""
+    if libc is None:
+        try:
+            libc = ctypes.CDLL(None)
+            mallopt = libc.mallopt
+        except (OSError, AttributeError):
+            raise RuntimeError("--keep-heap needs glibc's mallopt (Linux).") from None
+    mallopt = libc.mallopt
+    for param, value in ((M_TRIM_THRESHOLD, 2**31 - 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)):
+        if mallopt(param, value) != 1:
+            raise RuntimeError(f"mallopt({param}, {value}) failed.")
+
+
 def time_rows(models, x, y, steps, warmup, rounds, routes):
     """Median seconds per `train_on_batch` of each model, timed in
     interleaved rounds (row order rotated each round) after `warmup` more
     untimed calls each (the models have already run, and compiled, once).
     Each row runs under its FP8 route (`routes[row]`; torch resolves it on
-    every eager call)."""
+    every eager call). Also returns each row's median minor page faults
+    per step (None where not counted)."""
     losses = {}
     for name, model in models.items():
         with fp8.fp8_route(routes[name]):
             for _ in range(warmup):
                 losses[name] = model.train_on_batch(x, y)
     times = {name: [] for name in models}
+    faults = {name: [] for name in models}
     names = list(models)
     rounds = max(1, min(rounds, steps))
     per_round = [steps // rounds + (r < steps % rounds) for r in range(rounds)]
@@ -340,10 +387,15 @@ def time_rows(models, x, y, steps, warmup, rounds, routes):
             model = models[name]
             with fp8.fp8_route(routes[name]):
                 for _ in range(n):
+                    f0 = minor_faults()
                     t0 = time.perf_counter()
                     losses[name] = model.train_on_batch(x, y)
                     times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(t)) for name, t in times.items()}, losses
+                    if f0 is not None:
+                        faults[name].append(minor_faults() - f0)
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    fault_medians = {name: float(np.median(f)) if f else None for name, f in faults.items()}
+    return medians, losses, fault_medians
 
 
 def fp8_routes_taken(model):
@@ -479,7 +531,7 @@ def run_model(model_name, args):
             unbuilt_layers = unbuilt(model)
             if unbuilt_layers:
                 unbuilt_notes[row] = (unbuilt_layers, rebuild_cost(model, x, y, args))
-    med, losses = time_rows(models, x, y, args.steps, args.warmup - 1, args.rounds, route_of)
+    med, losses, faults = time_rows(models, x, y, args.steps, args.warmup - 1, args.rounds, route_of)
     breakdown = {}
     if args.breakdown and backend == "jax":
         for row, model in models.items():
@@ -496,16 +548,17 @@ def run_model(model_name, args):
         f"\n### {describe(model_name, args, batch_size)}: {params} parameters, Adam\n\n"
         f"backend: {backend}; device: {device_name()}{threads_text()}; "
         f"jit_compile={args.jit_compile}; "
+        f"heap: {'kept (--keep-heap)' if args.keep_heap else 'C library default'}; "
         f"keras {keras.__version__}; "
         f"median of {args.steps} train_on_batch steps per row ({args.rounds} "
         f"interleaved rounds, after >= {args.warmup} warm-up steps incl. compilation)\n"
     )
-    print("| row | ms/step | ratio vs Keras counterpart | target | met | FP8 GEMM route |")
-    print("|---|---|---|---|---|---|")
+    print("| row | ms/step | ratio vs Keras counterpart | target | met | FP8 GEMM route | page faults/step |")
+    print("|---|---|---|---|---|---|---|")
     results = {}
     for row, _, _, counterpart in rows:
         if row in errors:
-            print(f"| {row} | failed | {errors[row]} | | | |")
+            print(f"| {row} | failed | {errors[row]} | | | | |")
             results[row] = (None, None)
             continue
         ms = med[row] * 1e3
@@ -522,7 +575,8 @@ def run_model(model_name, args):
             ratio_text = f"n/a ({counterpart} did not run)"
         results[row] = (ms, ratio)
         route = ", ".join(taken.get(row, []))
-        print(f"| {row} | {ms:.2f} | {ratio_text} | {target} | {met} | {route} |")
+        fault_text = "n/a" if faults.get(row) is None else f"{faults[row]:.0f}"
+        print(f"| {row} | {ms:.2f} | {ratio_text} | {target} | {met} | {route} | {fault_text} |")
     for row, (names, (before, after)) in unbuilt_notes.items():
         print(
             f"\nnote ({row}): {len(names)} sublayer(s) stay unbuilt after training "
@@ -637,6 +691,13 @@ def parse_args(argv=None):
         "warm-up steps). Default: Keras's 'auto'",
     )
     p.add_argument(
+        "--keep-heap", action="store_true",
+        help="glibc only: keep freed memory in the heap for the whole run, "
+        "every row alike (mallopt: no heap trimming, no mmap below 32 MB), so "
+        "that steps reuse pages as a caching allocator does instead of "
+        "page-faulting fresh ones (the page faults/step column)",
+    )
+    p.add_argument(
         "--torch-threads", type=int, default=1,
         help="torch only: torch.set_num_threads for every row (default 1: on a "
         "shared CPU, torch's 2+ OpenMP threads spin-wait and make the timings "
@@ -670,6 +731,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.keep_heap:
+        keep_heap()
     models = ["mlp", "gpt"] if args.model == "both" else [args.model]
     if not (args.torch_threads and keras.config.backend() == "torch"):
         return {m: run_model(m, args) for m in models}

@@ -58,6 +58,7 @@ def test_step_time_mlp(step_time, capsys):
         ms, ratio = results["mlp"][name]
         assert ms is not None and ms > 0, (name, rows[name])
         assert float(rows[name][0]) > 0
+        assert re.match(r"(\d+|n/a)$", rows[name][5]), rows[name]  # page faults/step
         if counterpart is not None:
             bf16 = rf"; \d+\.\d\dx {step_time.BF16_ROW}" if name.startswith("scaled_fp8") else ""
             assert re.match(rf"\d+\.\d\dx {counterpart}{bf16}$", rows[name][1]), rows[name]
@@ -70,6 +71,26 @@ def test_step_time_mlp(step_time, capsys):
     for fp8_row in ("scaled_fp8", "scaled_fp8, float32 storage"):
         assert rows[fp8_row][2] == "<= 1.00x"
         assert rows[fp8_row][3] in ("met", "NOT met")
+
+
+def test_keep_heap_sets_glibcs_options_and_reports_a_refusal(step_time):
+    """`--keep-heap`: no heap trimming and no mmap below glibc's 32 MB cap,
+    through `mallopt` (a stand-in C library here: the real call would
+    change this test process's allocator for the rest of the suite)."""
+
+    class Libc:
+        def __init__(self, answer):
+            self.answer, self.calls = answer, []
+
+        def mallopt(self, param, value):
+            self.calls.append((param, value))
+            return self.answer
+
+    libc = Libc(1)
+    step_time.keep_heap(libc)
+    assert libc.calls == [(-1, 2**31 - 1), (-3, 32 * 2**20)]
+    with pytest.raises(RuntimeError, match="mallopt"):
+        step_time.keep_heap(Libc(0))
 
 
 def test_step_time_jit_compile(step_time, capsys):
