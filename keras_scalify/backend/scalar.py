@@ -57,12 +57,18 @@ def dtype_name(dtype):
         return standardize_dtype(dtype)
 
 
-def _halves_ops(h, n, mask):
-    """`halves` with `keras.ops` (an arithmetic shift: `mask` drops the
-    sign bits)."""
-    low = ops.bitwise_and(h, mask)
-    high = ops.bitwise_and(ops.right_shift(h, 16), mask)
-    return ops.reshape(ops.stack([low, high], axis=-1), (-1,))[:n]
+def indexed_pair_noise(index, multiplier, offset, mask, hash_fn):
+    """The stochastic-rounding noise of the elements of flat indices
+    `index` (int32, written over on eager torch): `hash_fn((index >> 1) ·
+    multiplier + offset)` (wrapping int32; `offset` a scalar or one per
+    element), its low 16 bits for an even index and its high 16 bits for
+    an odd one, `& mask` (`mask < 2**16`). Elementwise (each element
+    hashes its pair: XLA fuses it into one loop); `pair_noise` is the
+    same bits."""
+    half = multiply_in_place(bitwise_and(index, 1), 16)
+    pairs = add_in_place(multiply_in_place(right_shift_in_place(index, 1), multiplier), offset)
+    # (An arithmetic shift: `mask` drops the sign bits.)
+    return bitwise_and_in_place(right_shift(hash_fn(pairs), half), mask)
 
 
 def _sum_to_ops(x, shape):
@@ -473,16 +479,20 @@ if TORCH:
         out = _scratch("weyl_chunk", n, torch.int32, like.device).view(shape)
         return torch.add(table[:n].view(shape), offset + shift, out=out)
 
-    def halves(h, n, mask, like):
-        """The 16-bit halves of the int32 `h` (1-D), low half first, each
-        `& mask` (`mask < 2**16`): `2·len(h)` int32 values, of which the
-        first `n`. For a `_reusable` `like`, in a reused buffer (valid
-        until the next call): one converting copy of `h`'s int16 view
-        and one mask."""
-        if not (_reusable(like) and h.is_contiguous()):
-            return _halves_ops(h, n, mask)
-        out = _scratch("halves", 2 * h.numel(), torch.int32, h.device)
-        return out.copy_(h.view(torch.int16)).bitwise_and_(mask)[:n]
+    def pair_noise(start, shape, multiplier, offset, mask, hash_fn, like):
+        """`indexed_pair_noise` of the flat indices `start, start + 1, ...`
+        of `shape` (`start` even), bit for bit. For a `_reusable` `like`
+        (the chunk it is for; eager torch on a CPU), one hash per pair:
+        the pairs' `weyl_chunk` hashed in place, then one converting copy
+        of its int16 view (the halves, low first) and one mask, into a
+        reused buffer (valid until the next call): half the hash's
+        passes. Elsewhere the elementwise form, which a compiler fuses."""
+        n = math.prod(shape)
+        if not _reusable(like):
+            return indexed_pair_noise(int32_range(start, shape), multiplier, offset, mask, hash_fn)
+        h = hash_fn(weyl_chunk(start // 2, ((n + 1) // 2,), multiplier, offset, like))
+        out = _scratch("pair_noise", 2 * h.numel(), torch.int32, h.device)
+        return out.copy_(h.view(torch.int16)).bitwise_and_(mask)[:n].view(shape)
 
     def right_shift_into(x, n, out):
         """`right_shift(x, n)`, written into `out` (a `scratch_like`
@@ -884,10 +894,10 @@ else:
         """No scratch tensors on traced backends."""
         return None
 
-    def halves(h, n, mask, like):
-        """The 16-bit halves of the int32 `h` (1-D), low half first, each
-        `& mask` (`mask < 2**16`): the first `n` of `2·len(h)`."""
-        return _halves_ops(h, n, mask)
+    def pair_noise(start, shape, multiplier, offset, mask, hash_fn, like):
+        """`indexed_pair_noise` of the flat indices `start, start + 1, ...`
+        of `shape`: elementwise, one fused loop."""
+        return indexed_pair_noise(int32_range(start, shape), multiplier, offset, mask, hash_fn)
 
     def right_shift_into(x, n, out):
         """`right_shift(x, n)` (`out` is None here)."""

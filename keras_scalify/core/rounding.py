@@ -20,15 +20,13 @@ second, each masked to its `k` bits. In int32 `keras.ops`: integer
 arithmetic that fuses with the cast, the same bits on every backend.
 (`keras.random.randint` on JAX's default threefry generator took 10.8 ms
 per million elements on the 2-core CPU, the hash 0.33 ms: on a
-1.9M-parameter model that was most of the optimizer's step. One hash per
-two elements halves that again: on eager torch each of its 11 integer
-ops is a pass of its own.)
+1.9M-parameter model that was most of the optimizer's step. Eager torch
+hashes each pair once, half the passes of one hash per element, each of
+its 11 integer ops a pass of its own; compiled backends hash each
+element's pair in one fused loop, `backend.scalar.pair_noise`.)
 """
 
-import math
-
 import keras
-from keras import ops
 from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import scalar as S
@@ -84,6 +82,11 @@ def random_bits(shape, key, start=0):
     return _hashed(index, hash32(S.cast(key, "int32")))
 
 
+def _hash_owned(x):
+    """`hash32(x)`, in place in `x` (a tensor no one else reads)."""
+    return hash32(x, owned=True)
+
+
 def _hashed(index, hashed_key):
     """`hash32(index · golden + hashed_key)`, in place on the int32 flat
     indices `index` (`hashed_key`: a scalar, or one per element)."""
@@ -129,15 +132,11 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False, into=None):
 
     def piece(x, start):
         # (Eager torch: a slice at a time into reused buffers,
-        # `backend.scalar.chunked`, `weyl_chunk` and `halves`; a chunk
-        # starts at an even index, so its pairs are the whole tensor's.)
+        # `backend.scalar.chunked` and `pair_noise`; a chunk starts at an
+        # even index, so its pairs are the whole tensor's.)
         if start % 2:
             raise ValueError(f"A chunk must start at an even index, got {start}.")
-        n = math.prod(tuple(x.shape))
-        weyl = S.weyl_chunk(start // 2, ((n + 1) // 2,), _GOLDEN, hashed_key, x)
-        noise = S.halves(hash32(weyl, owned=True), n, (1 << k) - 1, x)
-        if len(x.shape) != 1:
-            noise = ops.reshape(noise, tuple(x.shape))
+        noise = S.pair_noise(start, tuple(x.shape), _GOLDEN, hashed_key, (1 << k) - 1, _hash_owned, x)
         return _round_bits(x, dtype, noise, clip)
 
     k = DROPPED_BITS[dtype]
@@ -170,10 +169,10 @@ def stochastic_cast_all(xs, dtype, keys, owned=False, intos=None):
         group = [xs[i] for i in small]
         flat, index, segment = S.concatenate_flat(group)
         hashed = hash32(S.cast(S.stack([keys[i] for i in small]), "int32"))
-        # Each element's pair hash and its half (its own index's parity).
-        half = S.multiply_in_place(S.bitwise_and(index, 1), 16)
-        pairs = _hashed(S.right_shift_in_place(index, 1), S.gather(hashed, segment))
-        noise = S.bitwise_and_in_place(S.right_shift(pairs, half), (1 << DROPPED_BITS[dtype]) - 1)
+        # Each element's pair (its index within its own tensor) hashed
+        # with its own tensor's key.
+        keys_each = S.gather(hashed, segment)
+        noise = S.indexed_pair_noise(index, _GOLDEN, keys_each, (1 << DROPPED_BITS[dtype]) - 1, _hash_owned)
         rounded = S.cast(_round_bits(flat, dtype, noise, S.clip_in_place), dtype)
         for i, piece in zip(small, S.split_like(rounded, group)):
             out[i] = piece

@@ -32,6 +32,15 @@ def _np_random_bits(shape, key):
     return x.view(np.int32).reshape(shape)
 
 
+def _np_noise(size, key, k):
+    """The noise `stochastic_cast` adds to the k dropped bits: one hash per
+    pair of elements, its low half for the first, its high half for the
+    second, each masked to k bits."""
+    pairs = _np_random_bits(((size + 1) // 2,), key).view(np.uint32)
+    halves = np.stack([pairs & np.uint32(0xFFFF), pairs >> np.uint32(16)], axis=-1).reshape(-1)[:size]
+    return halves & np.uint32((1 << k) - 1)
+
+
 def _bits(shape, key):
     return ops.convert_to_numpy(random_bits(shape, ops.convert_to_tensor(np.int32(key))))
 
@@ -60,6 +69,30 @@ def test_random_bits_are_uniform_and_independent_across_keys():
     # Correlation of 2**18 pairs: std 0.002.
     assert abs(np.corrcoef(a, b)[0, 1]) < 0.01
     assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.01
+
+
+@pytest.mark.parametrize("k", [13, 16])
+def test_rounding_noise_is_uniform_and_independent_within_and_across_pairs(k):
+    # The two halves of one hash feed neighbouring elements: each element's
+    # k bits are uniform (chi-square over 2**k bins), uncorrelated with its
+    # pair's other half and with the next pair's, and across keys (the
+    # backends match this reference bit for bit, below).
+    n = 1 << 19
+    noise = _np_noise(n, 7, k).astype(np.int64)
+    bins = 1 << k
+    counts = np.bincount(noise, minlength=bins)
+    dof = bins - 1
+    assert abs(((counts - n / bins) ** 2 / (n / bins)).sum() - dof) < 6 * np.sqrt(2 * dof)
+    u = noise.astype(np.float64)
+    assert abs(np.corrcoef(u[0::2], u[1::2])[0, 1]) < 0.01  # one hash's halves
+    assert abs(np.corrcoef(u[1:-1:2], u[2::2])[0, 1]) < 0.01  # across pairs
+    other = _np_noise(n, 8, k).astype(np.float64)
+    assert abs(np.corrcoef(u, other)[0, 1]) < 0.01
+    # Each element over 4096 consecutive keys, the two halves of a pair.
+    draws = np.stack([_np_noise(2, key, k) for key in range(4096)]).astype(np.int64) >> (k - 6)
+    for column in (draws[:, 0], draws[:, 1]):
+        counts = np.bincount(column, minlength=64)
+        assert abs(((counts - 64) ** 2 / 64).sum() - 63) < 6 * np.sqrt(2 * 63)
 
 
 def test_bits_of_one_element_are_uniform_across_consecutive_keys():
@@ -110,11 +143,7 @@ def test_stochastic_cast_matches_the_reference_in_chunks(monkeypatch, dtype, own
     k = {"float16": 13, "bfloat16": 16}[dtype]
     big = float(ml_dtypes.finfo(getattr(ml_dtypes, dtype, np.float16)).max)
     bits = np.clip(x, -big, big).view(np.uint32)
-    # One hash per pair of elements: its low half for the first, its
-    # high half for the second, each masked to the k dropped bits.
-    pairs = _np_random_bits(((x.size + 1) // 2,), key).view(np.uint32)
-    halves = np.stack([pairs & np.uint32(0xFFFF), pairs >> np.uint32(16)], axis=-1).reshape(-1)[: x.size]
-    noise = halves & np.uint32((1 << k) - 1)
+    noise = _np_noise(x.size, key, k)
     with np.errstate(over="ignore"):
         rounded = ((bits + noise) & np.uint32((1 << 32) - (1 << k))).view(np.float32)
     want = rounded.astype(getattr(ml_dtypes, dtype, np.float16)).astype(np.float32)

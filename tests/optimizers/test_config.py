@@ -97,6 +97,17 @@ def test_wrapped_optimizers_are_refused():
         ksc.ScaledOptimizer(built)
 
 
+def _stateless_step(opt, grads, model):
+    """One `opt.stateless_apply` step, its results assigned back."""
+    tv, ov = opt.stateless_apply(
+        [v.value for v in opt.variables], grads, [v.value for v in model.trainable_variables]
+    )
+    for v, value in zip(model.trainable_variables, tv):
+        v.assign(value)
+    for v, value in zip(opt.variables, ov):
+        v.assign(value)
+
+
 @pytest.mark.skipif(
     keras.config.backend() == "tensorflow",
     reason="Keras refuses stateless_apply on TensorFlow (tf.distribute)",
@@ -120,13 +131,7 @@ def test_stateless_apply_equals_apply_with_ema_and_a_constraint():
         for _ in range(3):
             grads = [ops.convert_to_tensor(rng.standard_normal(v.shape).astype("float32")) for v in model.trainable_variables]
             if stateless:
-                tv, ov = opt.stateless_apply(
-                    [v.value for v in opt.variables], grads, [v.value for v in model.trainable_variables]
-                )
-                for v, value in zip(model.trainable_variables, tv):
-                    v.assign(value)
-                for v, value in zip(opt.variables, ov):
-                    v.assign(value)
+                _stateless_step(opt, grads, model)
             else:
                 opt.apply(grads, model.trainable_variables)
         results.append((represented_weights(model), variable_values(opt.variables)))
@@ -165,13 +170,7 @@ def test_fp16_master_weights_rounded_into_their_storage_equal_stateless_apply(mo
             written.clear()
             grads = [ops.convert_to_tensor(rng.standard_normal(v.shape).astype(v.dtype)) for v in model.trainable_variables]
             if stateless:
-                tv, ov = opt.stateless_apply(
-                    [v.value for v in opt.variables], grads, [v.value for v in model.trainable_variables]
-                )
-                for v, value in zip(model.trainable_variables, tv):
-                    v.assign(value)
-                for v, value in zip(opt.variables, ov):
-                    v.assign(value)
+                _stateless_step(opt, grads, model)
             else:
                 opt.apply(grads, model.trainable_variables)
                 kernels = [v for v in model.trainable_variables if v.dtype == "float16" and np.prod(v.shape) > 64]
