@@ -352,13 +352,10 @@ def keep_heap(libc=None):
     does. Eager torch on a CPU allocates every temporary through malloc;
     which row pays the faults then depends on the heap the rows share.
     Raises where the C library has no `mallopt` (not glibc) or refuses."""
-    if libc is None:
-        try:
-            libc = ctypes.CDLL(None)
-            mallopt = libc.mallopt
-        except (OSError, AttributeError):
-            raise RuntimeError("--keep-heap needs glibc's mallopt (Linux).") from None
-    mallopt = libc.mallopt
+    try:
+        mallopt = (ctypes.CDLL(None) if libc is None else libc).mallopt
+    except (OSError, AttributeError, TypeError):  # (TypeError: Windows)
+        raise RuntimeError("--keep-heap needs glibc's mallopt (Linux).") from None
     for param, value in ((M_TRIM_THRESHOLD, 2**31 - 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)):
         if mallopt(param, value) != 1:
             raise RuntimeError(f"mallopt({param}, {value}) failed.")

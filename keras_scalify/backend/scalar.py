@@ -438,14 +438,26 @@ if TORCH:
         outside `torch.compile`, up to `ELEMENTWISE_CHUNK` of them, the
         reused buffer of `role` (valid until the next call for `role`);
         else a new tensor."""
-        if _compiling() or torch.device(device).type != "cpu" or n > ELEMENTWISE_CHUNK:
+        if (
+            _compiling()
+            or torch.device(device).type != "cpu"
+            or n > ELEMENTWISE_CHUNK
+            or torch.is_inference_mode_enabled()
+        ):
             return torch.empty(n, dtype=dtype, device=device)
         return _scratch(role, n, dtype, device)
 
     def _reusable(x):
         """Whether `x`'s temporaries can be `_scratch` buffers: a writable
-        CPU tensor of at most `ELEMENTWISE_CHUNK` elements."""
-        return _writable(x) and x.device.type == "cpu" and x.numel() <= ELEMENTWISE_CHUNK
+        CPU tensor of at most `ELEMENTWISE_CHUNK` elements, outside
+        `torch.inference_mode` (a buffer made there could not be written
+        outside it)."""
+        return (
+            _writable(x)
+            and x.device.type == "cpu"
+            and x.numel() <= ELEMENTWISE_CHUNK
+            and not torch.is_inference_mode_enabled()
+        )
 
     def scratch_like(x):
         """An uninitialized tensor like `x` for `right_shift_into` to

@@ -413,3 +413,26 @@ def test_batched_optimizer_helpers_match_their_per_tensor_ops():
         assert got[0] is fresh[0] and got[2] is fresh[2]  # written in place
         assert got[3] is fresh[3]  # (a factor of 1: left as it is)
         assert got[1] is not fresh[1]  # a tensor autograd records is not
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.inference_mode (torch only)")
+def test_reused_buffers_are_not_made_under_inference_mode():
+    # Eager torch keeps a chunk's temporaries in reused buffers; one made
+    # under `torch.inference_mode` could not be written outside it. FP8
+    # and stochastic rounding first called there run again outside.
+    import torch
+
+    from keras_scalify.backend import fp8
+    from keras_scalify.backend import scalar
+    from keras_scalify.core.rounding import stochastic_cast
+
+    scalar._SCRATCH.__dict__.pop("pool", None)
+    scalar._WEYL.clear()
+    w = torch.randn(600, 1000).half()
+    x = torch.randn(3000)
+    key = torch.tensor(5, dtype=torch.int32)
+    with torch.inference_mode():
+        inside = (fp8._round_torch(w, "float8_e4m3fn").clone(), stochastic_cast(x, "float16", key=key).clone())
+    outside = (fp8._round_torch(w, "float8_e4m3fn"), stochastic_cast(x, "float16", key=key))
+    for a, b in zip(inside, outside):
+        assert torch.equal(a, b)
