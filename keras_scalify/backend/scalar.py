@@ -68,7 +68,7 @@ def indexed_pair_noise(index, multiplier, offset, mask, hash_fn):
     half = multiply_in_place(bitwise_and(index, 1), 16)
     pairs = add_in_place(multiply_in_place(right_shift_in_place(index, 1), multiplier), offset)
     # (An arithmetic shift: `mask` drops the sign bits.)
-    return bitwise_and_in_place(right_shift(hash_fn(pairs), half), mask)
+    return bitwise_and_in_place(right_shift_in_place(hash_fn(pairs), half), mask)
 
 
 def _sum_to_ops(x, shape):
@@ -438,26 +438,26 @@ if TORCH:
         outside `torch.compile`, up to `ELEMENTWISE_CHUNK` of them, the
         reused buffer of `role` (valid until the next call for `role`);
         else a new tensor."""
-        if (
-            _compiling()
-            or torch.device(device).type != "cpu"
-            or n > ELEMENTWISE_CHUNK
-            or torch.is_inference_mode_enabled()
-        ):
+        if not _pooled(n, device):
             return torch.empty(n, dtype=dtype, device=device)
         return _scratch(role, n, dtype, device)
 
-    def _reusable(x):
-        """Whether `x`'s temporaries can be `_scratch` buffers: a writable
-        CPU tensor of at most `ELEMENTWISE_CHUNK` elements, outside
+    def _pooled(n, device):
+        """Whether `n` elements on `device` can be a `_scratch` buffer: at
+        most `ELEMENTWISE_CHUNK` on a CPU, outside `torch.compile` and
         `torch.inference_mode` (a buffer made there could not be written
         outside it)."""
         return (
-            _writable(x)
-            and x.device.type == "cpu"
-            and x.numel() <= ELEMENTWISE_CHUNK
+            not _compiling()
+            and torch.device(device).type == "cpu"
+            and n <= ELEMENTWISE_CHUNK
             and not torch.is_inference_mode_enabled()
         )
+
+    def _reusable(x):
+        """Whether `x`'s temporaries can be `_scratch` buffers: a writable
+        tensor whose size and device are `_pooled`."""
+        return _writable(x) and _pooled(x.numel(), x.device)
 
     def scratch_like(x):
         """An uninitialized tensor like `x` for `right_shift_into` to
@@ -475,14 +475,11 @@ if TORCH:
     def weyl_chunk(start, shape, multiplier, offset, like):
         """`(start + i)·multiplier + offset` over the flat indices `i` of
         `shape`, wrapping int32 (`multiplier` a Python int, `offset` an
-        int32 scalar tensor): a chunk's hash input. For a `_reusable`
-        `like` (the chunk it is for), it is written into a reused buffer
-        (valid until the next call; the caller consumes it) as one add to
-        a cached `i·multiplier` table, instead of an `arange` and two
-        passes."""
+        int32 scalar tensor): the hash input of a chunk whose `like` is
+        `_reusable`, written into a reused buffer (valid until the next
+        call; the caller consumes it) as one add to a cached
+        `i·multiplier` table, instead of an `arange` and two passes."""
         n = math.prod(shape)
-        if not _reusable(like):
-            return add_in_place(multiply_in_place(int32_range(start, shape), multiplier), offset)
         key = (multiplier, like.device)
         table = _WEYL.get(key)
         if table is None or table.numel() < n:
@@ -914,11 +911,6 @@ else:
     def right_shift_into(x, n, out):
         """`right_shift(x, n)` (`out` is None here)."""
         return right_shift(x, n)
-
-    def weyl_chunk(start, shape, multiplier, offset, like):
-        """`(start + i)·multiplier + offset` over the flat indices `i` of
-        `shape`, wrapping int32."""
-        return add_in_place(multiply_in_place(int32_range(start, shape), multiplier), offset)
 
     def chunked(fn, x, dtype, into=None):
         """`cast(fn(x, 0), dtype)`: traced backends fuse the passes

@@ -129,6 +129,7 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False, into=None):
         key = draw_key(seed)
     clip = S.clip_in_place if owned else S.clip
     hashed_key = hash32(S.cast(key, "int32"))
+    k = DROPPED_BITS[dtype]
 
     def piece(x, start):
         # (Eager torch: a slice at a time into reused buffers,
@@ -139,7 +140,6 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False, into=None):
         noise = S.pair_noise(start, tuple(x.shape), _GOLDEN, hashed_key, (1 << k) - 1, _hash_owned, x)
         return _round_bits(x, dtype, noise, clip)
 
-    k = DROPPED_BITS[dtype]
     return S.chunked(piece, x, dtype, into)
 
 
