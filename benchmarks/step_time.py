@@ -376,6 +376,8 @@ def time_rows(models, x, y, steps, warmup, rounds, routes):
     times = {name: [] for name in models}
     faults = {name: [] for name in models}
     names = list(models)
+    if not names:  # every row failed to build: the table reports why
+        return {}, losses, {}
     rounds = max(1, min(rounds, steps))
     per_round = [steps // rounds + (r < steps % rounds) for r in range(rounds)]
     for r, n in enumerate(per_round):

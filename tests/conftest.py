@@ -32,6 +32,31 @@ def _full_float32_gemms():
 _full_float32_gemms()
 
 
+def on_gpu():
+    """Whether the backend computes on a GPU (the suite runs there too
+    when a session is lent one; CI has none)."""
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    if backend == "jax":
+        import jax
+
+        return any(d.platform == "gpu" for d in jax.devices())
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def host_scalars():
+    """Whether the host reads the scales for free: eager torch on a CPU
+    (`backend.scalar.host_value`), where host-known factors take their
+    shortcuts (a GEMM's alpha, the GEMM epilogue's GELU). On a GPU a
+    scale is a device tensor and the general path runs."""
+    return keras.backend.backend() == "torch" and not on_gpu()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -336,12 +336,14 @@ if TORCH:
             return torch.mean(x)
         return ops.mean(x)
 
-    def int32_range(start, shape):
+    def int32_range(start, shape, like=None):
         """`start, start + 1, ...` as an int32 tensor of `shape` (a tuple
         of ints): the flat indices of a tensor of that shape, from
-        `start`."""
+        `start`; on the device of tensor `like` (the data they index),
+        else on Keras's device."""
         n = math.prod(shape)
-        return torch.arange(start, start + n, dtype=torch.int32, device=get_device()).reshape(shape)
+        device = like.device if isinstance(like, torch.Tensor) else get_device()
+        return torch.arange(start, start + n, dtype=torch.int32, device=device).reshape(shape)
 
     def _writable(x):
         """Whether an in-place op may write `x`: an eager torch tensor
@@ -483,7 +485,7 @@ if TORCH:
         key = (multiplier, like.device)
         table = _WEYL.get(key)
         if table is None or table.numel() < n:
-            table = _WEYL[key] = int32_range(0, (builtins.max(n, ELEMENTWISE_CHUNK),)).to(like.device).mul_(multiplier)
+            table = _WEYL[key] = int32_range(0, (builtins.max(n, ELEMENTWISE_CHUNK),), like).mul_(multiplier)
         shift = (start * multiplier + 2**31) % 2**32 - 2**31  # wrapped to int32
         out = _scratch("weyl_chunk", n, torch.int32, like.device).view(shape)
         return torch.add(table[:n].view(shape), offset + shift, out=out)
@@ -498,7 +500,7 @@ if TORCH:
         passes. Elsewhere the elementwise form, which a compiler fuses."""
         n = math.prod(shape)
         if not _reusable(like):
-            return indexed_pair_noise(int32_range(start, shape), multiplier, offset, mask, hash_fn)
+            return indexed_pair_noise(int32_range(start, shape, like), multiplier, offset, mask, hash_fn)
         h = hash_fn(weyl_chunk(start // 2, ((n + 1) // 2,), multiplier, offset, like))
         out = _scratch("pair_noise", 2 * h.numel(), torch.int32, h.device)
         return out.copy_(h.view(torch.int16)).bitwise_and_(mask)[:n].view(shape)
@@ -877,8 +879,9 @@ else:
         """Python number `value` as a float32 0-d tensor."""
         return ops.cast(ops.convert_to_tensor(value), "float32")
 
-    def int32_range(start, shape):
-        """`start, start + 1, ...` as an int32 tensor of `shape`."""
+    def int32_range(start, shape, like=None):
+        """`start, start + 1, ...` as an int32 tensor of `shape` (`like`:
+        the data they index; Keras places it)."""
         n = math.prod(shape)
         return ops.reshape(ops.arange(start, start + n, dtype="int32"), shape)
 
@@ -906,7 +909,7 @@ else:
     def pair_noise(start, shape, multiplier, offset, mask, hash_fn, like):
         """`indexed_pair_noise` of the flat indices `start, start + 1, ...`
         of `shape`: elementwise, one fused loop."""
-        return indexed_pair_noise(int32_range(start, shape), multiplier, offset, mask, hash_fn)
+        return indexed_pair_noise(int32_range(start, shape, like), multiplier, offset, mask, hash_fn)
 
     def right_shift_into(x, n, out):
         """`right_shift(x, n)` (`out` is None here)."""

@@ -141,5 +141,8 @@ def saturating_round(x, dtype):
     normal = ops.view(ops.bitwise_and(bits, -(1 << shift)), "float32")
     subnormal = ops.round(a * (1.0 / q)) * q
     r = ops.where(a < fmt.smallest_normal, subnormal, normal)
-    r = ops.where(ops.signbit(x), -r, r)
+    # The sign copied back as a bit (r's is clear): a float negation or a
+    # sign test can lose -0 (seen under torch.compile on an H100).
+    sign = ops.bitwise_and(ops.view(x, "int32"), -(2**31))
+    r = ops.view(ops.bitwise_or(ops.view(r, "int32"), sign), "float32")
     return _keep_nonfinite(x0, r, fmt)

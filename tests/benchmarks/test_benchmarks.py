@@ -73,6 +73,22 @@ def test_step_time_mlp(step_time, capsys):
         assert rows[fp8_row][3] in ("met", "NOT met")
 
 
+def test_step_time_reports_rows_that_cannot_run(step_time, capsys, monkeypatch):
+    """A row whose model fails to build or run is a table row saying why;
+    with no row left to time, the table still prints (a GPU run once met
+    an integer division by zero there)."""
+
+    def broken(*args):
+        raise RuntimeError("no device memory")
+
+    monkeypatch.setattr(step_time, "build", broken)
+    results = step_time.main(["--model", "mlp", "--rows", "Keras float32", "scaled_float32", *TINY])
+    rows = _table_rows(capsys.readouterr().out)
+    for name in ("Keras float32", "scaled_float32"):
+        assert rows[name][:2] == ["failed", "RuntimeError: no device memory"]
+        assert results["mlp"][name] == (None, None)
+
+
 def test_keep_heap_sets_glibcs_options_and_reports_a_refusal(step_time):
     """`--keep-heap`: no heap trimming and no mmap below glibc's 32 MB cap,
     through `mallopt` (a stand-in C library here: the real call would

@@ -8,6 +8,7 @@ import pytest
 from keras import ops
 
 import keras_scalify as ksc
+from tests.conftest import host_scalars
 from tests.conftest import spy_taken
 from tests.conftest import to_np
 
@@ -303,12 +304,12 @@ def test_gated_activation_in_the_gemm_epilogue_is_bit_identical(activation, x_sc
 
         taken.clear()
         fused, fused_grads = results()
-        folded = keras.config.backend() == "torch" and 2.0**-64 <= float(fused.scale) <= 1.0
+        folded = host_scalars() and 2.0**-64 <= float(fused.scale) <= 1.0
         # (Elsewhere the layers compose the ops: no epilogue is asked for.)
         torch_backend = keras.config.backend() == "torch"
         assert taken == [folded] * len(taken) and bool(taken) == torch_backend
         if x_scale != 1.0:
-            assert folded == (torch_backend and x_scale < 1.0)
+            assert folded == (host_scalars() and x_scale < 1.0)
         with monkeypatch.context() as m:
             m.setattr(linalg, "gate_epilogue", lambda s, kind: None)
             composed, composed_grads = results()
@@ -320,7 +321,7 @@ def test_gated_activation_in_the_gemm_epilogue_is_bit_identical(activation, x_sc
             np.testing.assert_array_equal(to_np(got), to_np(want))
 
 
-@pytest.mark.skipif(keras.config.backend() != "torch", reason="eager torch's fused node")
+@pytest.mark.skipif(not host_scalars(), reason="eager torch on a CPU: the fused node (host-known scales)")
 def test_gated_epilogue_node_runs_its_backward_twice(rng):
     """A retained graph may run the fused node's backward again (its saved
     `u` is not overwritten): the second pass gives the same gradients."""

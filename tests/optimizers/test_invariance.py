@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import keras_scalify as ksc
+from tests.conftest import on_gpu
 from tests.optimizers.helpers import data
 from tests.optimizers.helpers import keras_mlp
 from tests.optimizers.helpers import represented_weights
@@ -56,8 +57,11 @@ def test_same_weights_as_plain_keras_after_20_steps(name):
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == STEPS
     assert int(keras.ops.convert_to_numpy(optimizer.skipped_steps)) == 0
     assert len(actual) == len(expected)
+    # (A GPU's float32 kernels sum in other orders for the two models:
+    # seen 2e-6 of the largest weight on an H100.)
+    floor = 1e-5 if on_gpu() else 1e-6
     for a, e in zip(actual, expected):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6 * np.max(np.abs(e)))
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=floor * np.max(np.abs(e)))
     # The weights moved: the test would catch an optimizer that did nothing.
     initial = represented_weights(keras_mlp())
     assert any(np.max(np.abs(a - i)) > 1e-4 for a, i in zip(actual, initial))
