@@ -87,7 +87,9 @@ script prints that cost, then marks such layers built and times the steady
 state (`--keep-unbuilt` times them as they are). `--breakdown` (jax)
 also times the jitted forward+backward and optimizer update apart.
 `--op-count` (torch) counts the aten operators of one train_on_batch per
-row with `torch.profiler` (design §9c's operator counts).
+row with `torch.profiler` (design §9c's operator counts); on a GPU also its
+kernel launches, the host's waits for the device (synchronizations) and
+the GPU's kernel time.
 On torch the rows run on 1 CPU thread by default (`--torch-threads`; with
 torch's default threads a loaded 2-core machine gave 5-10x erratic times).
 """
@@ -614,21 +616,44 @@ def run_model(model_name, args):
             print("\n(--op-count is implemented on torch only)")
         else:
             print("\naten operators per train_on_batch (torch.profiler, one step):\n")
-            print("| row | aten operators |")
-            print("|---|---|")
-            for row, n in op_counts.items():
-                print(f"| {row} | {n} |")
+            gpu = any(len(c) > 1 for c in op_counts.values())
+            extra = " kernel launches | host waits for the device | GPU kernel ms |" if gpu else ""
+            print("| row | aten operators |" + extra)
+            print("|---|---|" + ("---|---|---|" if gpu else ""))
+            for row, counts in op_counts.items():
+                print("| " + " | ".join([row, *map(str, counts)]) + " |")
     return results
 
 
+# CUDA runtime calls that launch a kernel, and those that make the host
+# wait for the device (a `.item()`, a copy from or to pageable memory).
+CUDA_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
 def torch_op_count(model, x, y):
-    """aten operators dispatched by one `train_on_batch` (torch.profiler)."""
+    """Counts of one `train_on_batch` (torch.profiler): `[aten operators]`,
+    and on a GPU also kernel launches, host waits for the device and the
+    GPU's kernel time in ms (eager torch on a GPU is bound by the host
+    when every scale computation is a kernel launch)."""
+    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         model.train_on_batch(x, y)
-    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    counts = [sum(e.count for e in events if e.key.startswith("aten::"))]
+    if cuda:
+        counts.append(sum(e.count for e in events if e.key in CUDA_LAUNCHES))
+        counts.append(sum(e.count for e in events if e.key in CUDA_SYNCS))
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts.append(round(sum(e.self_device_time_total for e in kernels) / 1e3, 2))
+    return counts
 
 
 def threads_text():

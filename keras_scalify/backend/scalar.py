@@ -165,6 +165,23 @@ if TORCH:
                 return out
         return ops.cast(ops.convert_to_tensor(value), "float32")
 
+    _FULL_SCALARS = {}
+
+    def full_scalar(value, like):
+        """`ops.full((), value, dtype=like.dtype)` on `like`'s device, cached
+        on eager torch (Keras's `full` copies the number to the device on
+        every call: a synchronization on a GPU)."""
+        if type(value) in _NUMBERS and type(value) is not bool and type(like) is _TENSOR:
+            if value == value and not _is_compiling():
+                key = (value, math.copysign(1.0, value), like.dtype, like.device)
+                out = _FULL_SCALARS.get(key)
+                if out is None:
+                    if len(_FULL_SCALARS) > 4096:
+                        _FULL_SCALARS.clear()
+                    out = _FULL_SCALARS[key] = torch.full((), value, dtype=like.dtype, device=like.device)
+                return out
+        return ops.full((), value, dtype=like.dtype)
+
     def host_value(x):
         """The value of scalar `x` as a Python float where the host has it
         for free: a Python number, or a 0-d CPU tensor without gradient
@@ -303,7 +320,7 @@ if TORCH:
 
         return apply
 
-    where = _fast(_where, ops.where, first=1)
+    where = _fast(_where, ops.where, first=1, constants=True)
     divide_no_nan = _fast(_divide_no_nan, ops.divide_no_nan)
     maximum = _fast(_extremum(torch.maximum, "min"), ops.maximum)
     minimum = _fast(_extremum(torch.minimum, "max"), ops.minimum)
@@ -878,6 +895,10 @@ else:
     def float32_scalar(value, like):
         """Python number `value` as a float32 0-d tensor."""
         return ops.cast(ops.convert_to_tensor(value), "float32")
+
+    def full_scalar(value, like):
+        """`ops.full((), value, dtype=like.dtype)`."""
+        return ops.full((), value, dtype=like.dtype)
 
     def int32_range(start, shape, like=None):
         """`start, start + 1, ...` as an int32 tensor of `shape` (`like`:

@@ -115,7 +115,9 @@ def _gemm_factors(cs, r, m=1.0, out_factor=1.0):
     1`, else `m` is a static multiplier's mantissa (`einsum(multiplier=)`).
     `out_factor`: a static pow2 the output data alone takes (a rebalance
     folded into the GEMM, `rebalanced_einsum`)."""
-    inv_r = ops.convert_to_tensor(1.0 / r)
+    inv_r = 1.0 / r
+    if not S.is_tensor(inv_r):  # a static r: cached (no copy to a GPU per call)
+        inv_r = S.float32_scalar(inv_r, next((c for c in cs if S.is_tensor(c)), None))
     if m != 1.0:
         inv_r = inv_r * m
     f_out = inv_r if out_factor == 1.0 else inv_r * out_factor

@@ -8,6 +8,7 @@ the other operand's scale, so `where(mask, x, 0)` and `maximum(x, 0)` keep
 
 from keras import ops
 
+from keras_scalify.backend import scalar as S
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
@@ -40,7 +41,7 @@ def _common_scale(xs, names):
 
 
 def _constant(c, like_data):
-    return ops.full((), c, dtype=like_data.dtype) if isinstance(c, float) else c
+    return S.full_scalar(c, like_data) if isinstance(c, float) else c
 
 
 def _binary(fn, x1, x2):

@@ -10,6 +10,8 @@ import re
 import keras
 import pytest
 
+from tests.conftest import on_gpu
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -139,8 +141,12 @@ def test_step_time_op_count(step_time, capsys):
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] != "row":
-            counts[cells[0]] = int(cells[1])
-    assert counts["scaled_float32"] > counts["Keras float32"] > 0
+            counts[cells[0]] = [float(c) for c in cells[1:]]
+    assert counts["scaled_float32"][0] > counts["Keras float32"][0] > 0
+    # On a GPU: kernel launches, host waits and kernel ms; on a CPU none.
+    assert all(len(c) == (4 if on_gpu() else 1) for c in counts.values()), counts
+    if on_gpu():
+        assert all(c[1] > 0 and c[3] > 0 for c in counts.values()), counts
 
 
 def test_step_time_gpt(step_time, capsys):

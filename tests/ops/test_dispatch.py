@@ -11,6 +11,7 @@ import keras_scalify as ksc
 from keras_scalify import backend as kb
 from keras_scalify.ops import dispatch
 from tests.conftest import assert_close
+from tests.conftest import on_gpu
 from tests.conftest import spy_taken
 from tests.conftest import to_np
 
@@ -166,8 +167,14 @@ def test_dot_product_attention_masked_softmax_node(rng, monkeypatch, fully_maske
         np.testing.assert_array_equal(to_np(a), to_np(b))
     # Keras's semantics on the represented values (uniform masked rows).
     true = (ops.convert_to_tensor(v * np.float32(s)) for v, s in zip(values, scales))
-    plain = ops.dot_product_attention(*true, mask=mask, is_causal=True)
-    assert_close(ksc.to_array(got), plain, rtol=1e-5, atol_rel=1e-5)
+    plain = to_np(ops.dot_product_attention(*true, mask=mask, is_causal=True))
+    represented = to_np(ksc.to_array(got))
+    if fully_masked_row and on_gpu():
+        # torch's fused attention kernels on CUDA give a fully masked row
+        # zeros (seen on an H100), its CPU kernel and the rule a uniform
+        # average: Keras itself differs by device there.
+        represented[1, 2], plain[1, 2] = 0.0, 0.0
+    assert_close(represented, plain, rtol=1e-5, atol_rel=1e-5)
 
 
 def test_dot_product_attention_soft_cap(rng):
