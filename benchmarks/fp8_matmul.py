@@ -31,6 +31,15 @@ from keras_scalify.backend import fp8  # noqa: E402
 
 
 def device_name():
+    """The accelerator's name, and its host CPU (an eager step on a GPU
+    can be bound by the host); else the CPU's."""
+    accelerator = _accelerator_name()
+    if accelerator is None:
+        return f"CPU ({cpu_model()}, {os.cpu_count()} cores, {_bf16_units()})"
+    return f"{accelerator} (host: {cpu_model()}, {os.cpu_count()} cores)"
+
+
+def _accelerator_name():
     b = keras.config.backend()
     if b == "torch":
         import torch
@@ -49,7 +58,7 @@ def device_name():
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
             return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
-    return f"CPU ({cpu_model()}, {os.cpu_count()} cores, {_bf16_units()})"
+    return None
 
 
 def cpu_model():
