@@ -114,6 +114,9 @@ if TORCH:
     _CONSTANTS = {}
     _TENSOR = torch.Tensor
     _is_compiling = torch.compiler.is_compiling
+    # A tensor made under `torch.inference_mode` cannot be saved for a
+    # backward outside it: no cached tensor is made there.
+    _is_inference = torch.is_inference_mode_enabled
     # The dtypes of scale arithmetic. (A float16 operand computes with a
     # Python number in float32: a float16 constant would round it first.)
     _CONSTANT_DTYPES = (torch.float32, torch.int32)
@@ -124,8 +127,8 @@ if TORCH:
         number in an eager op is wrapped and copied to the operand's dtype
         (4 extra dispatches per op). None where the conversion could differ
         (other dtypes than float32 and int32, an int tensor with a float
-        or an int outside int32, NaN, -0.0, or while `torch.compile`
-        traces)."""
+        or an int outside int32, NaN, -0.0, while `torch.compile`
+        traces, or a new one under `torch.inference_mode`)."""
         dtype = like.dtype
         key = (a, type(a), dtype, like.device)
         out = _CONSTANTS.get(key)
@@ -139,7 +142,7 @@ if TORCH:
             return None
         if a == 0 and type(a) is float and math.copysign(1.0, a) < 0:
             return None
-        if _compiling():
+        if _compiling() or _is_inference():
             return None
         if out is None:
             if len(_CONSTANTS) > 4096:
@@ -154,7 +157,7 @@ if TORCH:
         tensor `like` (cached on eager torch: converting it per call costs
         ~10 µs in Keras's `convert_to_tensor`)."""
         if type(value) in _NUMBERS and type(value) is not bool and isinstance(like, torch.Tensor):
-            if value == value and not _is_compiling():
+            if value == value and not (_is_compiling() or _is_inference()):
                 v = float(value)
                 key = (v, math.copysign(1.0, v), like.device)
                 out = _FLOAT32_SCALARS.get(key)
@@ -172,7 +175,7 @@ if TORCH:
         on eager torch (Keras's `full` copies the number to the device on
         every call: a synchronization on a GPU)."""
         if type(value) in _NUMBERS and type(value) is not bool and type(like) is _TENSOR:
-            if value == value and not _is_compiling():
+            if value == value and not (_is_compiling() or _is_inference()):
                 key = (value, math.copysign(1.0, value), like.dtype, like.device)
                 out = _FULL_SCALARS.get(key)
                 if out is None:
@@ -240,7 +243,7 @@ if TORCH:
             if tensor is None:
                 return keras_fn(*args)
             if numbers and constants:
-                args = [_number_or_constant(a, tensor) for a in args]
+                args = args[:first] + tuple(_number_or_constant(a, tensor) for a in args[first:])
             return torch_fn(*args)
 
         fn.__name__ = keras_fn.__name__
@@ -687,7 +690,6 @@ if TORCH:
     _KEY_CODES = {torch.float32: "f", torch.int32: "i", torch.bool: "b"}
     _PLAIN_KEYS = (type(None), bool, int, str)
     _MISS = object()
-    _is_inference = torch.is_inference_mode_enabled
     _MEMO_OFF = []  # non-empty inside `memo_disabled()`
 
     @contextlib.contextmanager

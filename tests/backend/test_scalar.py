@@ -68,6 +68,8 @@ CASES = [
     ("where", lambda: (ops.isfinite(f32()), f32(), 0.0)),
     ("where", lambda: (ops.isfinite(f32()), 7, ops.convert_to_tensor(np.arange(9, dtype=np.int32)))),
     ("where", lambda: (np.bool_(True), 1.0, np.float32(2.0))),
+    ("where", lambda: (True, f32(), 1.0)),
+    ("where", lambda: (ops.isfinite(f32(F[:6].copy())), ops.convert_to_tensor(I), 1.5)),
     ("multiply", lambda: (np.float32(2.0), np.float32(3.0))),
 ]
 
@@ -126,6 +128,45 @@ def test_cached_constants_keep_each_ops_result():
             signs = [np.signbit(ops.convert_to_numpy(f(s, c))) for f in (S.multiply, ops.multiply)]
             assert signs[0] == signs[1], (c, signs)
     _same(S.bitwise_and(e, -(2**31)), ops.bitwise_and(e, -(2**31)))
+
+
+def test_full_scalar_and_where_constants_keep_value_dtype_and_sign():
+    """`full_scalar` is `ops.full((), v, dtype=like.dtype)` (cached on
+    eager torch), and `where` with a Python number gives what the number
+    gives, -0.0 included, call after call."""
+    likes = [f32(), ops.cast(f32(), "float16"), ops.cast(f32(), "bfloat16"), ops.convert_to_tensor(I)]
+    for _ in range(2):  # the second time from the cache
+        for like in likes:
+            ints = standardize_dtype(like.dtype) == "int32"
+            for v in (0.0, -0.0, 1.5, 3, -(2**20)) if ints else (0.0, -0.0, 1.5, 3, 70000.0, np.inf, -np.inf):
+                got, want = S.full_scalar(v, like), ops.full((), v, dtype=like.dtype)
+                assert standardize_dtype(got.dtype) == standardize_dtype(like.dtype)
+                got, want = (to_np(ops.cast(t, "float32")) for t in (got, want))  # (bfloat16 on TF)
+                np.testing.assert_array_equal(got, want)
+                assert np.signbit(got) == np.signbit(want), (v, like.dtype)
+        cond = ops.isfinite(f32())
+        for c in (0.0, -0.0):
+            got, want = S.where(cond, f32(), c), ops.where(cond, f32(), c)
+            _same(got, want)
+            np.testing.assert_array_equal(np.signbit(to_np(got)), np.signbit(to_np(want)))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.inference_mode (torch only)")
+def test_cached_constants_are_not_made_under_inference_mode():
+    """A cached constant first asked for under `torch.inference_mode`
+    would be an inference tensor, which autograd cannot save for a
+    backward outside it: none is cached there."""
+    import torch
+
+    v = 0.2890625  # a value no other test caches
+    x = torch.ones(3)
+    with torch.inference_mode():
+        S.float32_scalar(v, x), S.full_scalar(v, x), S.multiply(x, v)
+    w = torch.ones(3, requires_grad=True)
+    for c in (S.float32_scalar(v, w), S.full_scalar(v, w)):
+        torch.maximum(w, c).sum().backward()  # saves c
+    S.multiply(w, v).sum().backward()  # saves the cached constant
+    assert w.grad is not None
 
 
 def test_has_dtype_and_is_tensor():
