@@ -295,8 +295,15 @@ if TORCH:
         return ops.stop_gradient(x)
 
     def _where(condition, x1, x2):
+        """`torch.where`; on a GPU a Python number as a cached constant
+        (torch would make it a device tensor with a fill kernel per call;
+        on a CPU its wrapped number costs less than the cache lookup)."""
         if not isinstance(condition, torch.Tensor):
             return ops.where(condition, x1, x2)
+        if type(x2) in _NUMBERS and type(x1) is _TENSOR and not x1.is_cpu:
+            x2 = _number_or_constant(x2, x1)
+        elif type(x1) in _NUMBERS and type(x2) is _TENSOR and not x2.is_cpu:
+            x1 = _number_or_constant(x1, x2)
         return torch.where(condition, x1, x2)
 
     def _divide_no_nan(x1, x2):
@@ -323,7 +330,7 @@ if TORCH:
 
         return apply
 
-    where = _fast(_where, ops.where, first=1, constants=True)
+    where = _fast(_where, ops.where, first=1)
     divide_no_nan = _fast(_divide_no_nan, ops.divide_no_nan)
     maximum = _fast(_extremum(torch.maximum, "min"), ops.maximum)
     minimum = _fast(_extremum(torch.minimum, "max"), ops.minimum)
