@@ -150,40 +150,40 @@ if TORCH:
             out = _CONSTANTS[key] = torch.tensor(a, dtype=dtype, device=like.device)
         return out
 
-    _FLOAT32_SCALARS = {}
+    _SCALARS = {}
+
+    def _cached_scalar(value, dtype, device):
+        """Python number `value` as a 0-d tensor of `dtype` on `device`,
+        cached on eager torch (None where not cached: NaN, bool, while
+        `torch.compile` traces, under `torch.inference_mode`)."""
+        if type(value) not in _NUMBERS or type(value) is bool or value != value:
+            return None
+        if _is_compiling() or _is_inference():
+            return None
+        key = (value, math.copysign(1.0, value), dtype, device)
+        out = _SCALARS.get(key)
+        if out is None:
+            if len(_SCALARS) > 4096:
+                _SCALARS.clear()
+            out = _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)
+        return out
 
     def float32_scalar(value, like):
         """Python number `value` as a float32 0-d tensor on the device of
         tensor `like` (cached on eager torch: converting it per call costs
         ~10 µs in Keras's `convert_to_tensor`)."""
-        if type(value) in _NUMBERS and type(value) is not bool and isinstance(like, torch.Tensor):
-            if value == value and not (_is_compiling() or _is_inference()):
-                v = float(value)
-                key = (v, math.copysign(1.0, v), like.device)
-                out = _FLOAT32_SCALARS.get(key)
-                if out is None:
-                    if len(_FLOAT32_SCALARS) > 4096:
-                        _FLOAT32_SCALARS.clear()
-                    out = _FLOAT32_SCALARS[key] = torch.tensor(v, dtype=torch.float32, device=like.device)
+        if isinstance(like, torch.Tensor) and type(value) in _NUMBERS and type(value) is not bool:
+            out = _cached_scalar(float(value), torch.float32, like.device)
+            if out is not None:
                 return out
         return ops.cast(ops.convert_to_tensor(value), "float32")
-
-    _FULL_SCALARS = {}
 
     def full_scalar(value, like):
         """`ops.full((), value, dtype=like.dtype)` on `like`'s device, cached
         on eager torch (Keras's `full` copies the number to the device on
         every call: a synchronization on a GPU)."""
-        if type(value) in _NUMBERS and type(value) is not bool and type(like) is _TENSOR:
-            if value == value and not (_is_compiling() or _is_inference()):
-                key = (value, math.copysign(1.0, value), like.dtype, like.device)
-                out = _FULL_SCALARS.get(key)
-                if out is None:
-                    if len(_FULL_SCALARS) > 4096:
-                        _FULL_SCALARS.clear()
-                    out = _FULL_SCALARS[key] = torch.full((), value, dtype=like.dtype, device=like.device)
-                return out
-        return ops.full((), value, dtype=like.dtype)
+        out = _cached_scalar(value, like.dtype, like.device) if type(like) is _TENSOR else None
+        return ops.full((), value, dtype=like.dtype) if out is None else out
 
     def host_value(x):
         """The value of scalar `x` as a Python float where the host has it
