@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL=3
 # One pytest-xdist worker per core, at most 4 (each holds a backend, ~1-2
-# GB): on 2 cores the three suites take ~30 min instead of ~38.
+# GB): on 2 cores the three suites take ~23 min instead of ~38.
 workers=$(python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 status=0
 for backend in jax tensorflow torch; do
