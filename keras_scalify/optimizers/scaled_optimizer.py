@@ -22,6 +22,7 @@ from keras_scalify.backend.optimizer import assign_all
 from keras_scalify.backend.optimizer import bound_ghosts
 from keras_scalify.backend.optimizer import host_bool
 from keras_scalify.backend.optimizer import run_if
+from keras_scalify.backend.optimizer import scale_folds
 from keras_scalify.backend.optimizer import FUSE_MIN_ELEMENTS
 from keras_scalify.backend.optimizer import use_generic_updates
 from keras_scalify.layers.variable import effective_grad_scale
@@ -396,24 +397,38 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             factors = state.rescale_factors([read_tensor(sv.data) for sv, _, _ in weights], rescale)
             new_scales = [scale * k for (_, _, scale), k in zip(weights, factors)]
         with native_updates(inner, guard) as native:
+            # (Inside an outer scope, e.g. `stateless_apply`, its writes
+            # must be recorded: the scope path.)
+            bound = native and not in_stateless_scope()
+            stored = [read_tensor(sv.data) for sv, _, _ in weights]
+            # Bound, a float32 weight whose scale the update's learning
+            # rate can carry is updated on its stored data: no decode, no
+            # re-encode (`scale_folds`).
+            folds = [None] * len(weights)
+            if bound:
+                folds = scale_folds(
+                    inner,
+                    [
+                        scale if sv.master_dtype == "float32" and ghost.constraint is None else None
+                        for sv, ghost, scale in weights
+                    ],
+                    [math.prod(sv.data.shape) for sv, _, _ in weights],
+                )
             # The native update owns what it updates: float32 data is
             # decoded in place in its variable, updated there and
             # re-encoded there (no weight-sized temporary, no copy back).
-            stored = [read_tensor(sv.data) for sv, _, _ in weights]
             decoded = state.decode_all(
                 stored,
-                [scale for _, _, scale in weights],
+                [None if f is not None else scale for (_, _, scale), f in zip(weights, folds)],
                 [native and sv.master_dtype == "float32" for sv, _, _ in weights],
             )
             ghosts = [(ghost, value) for (_, ghost, _), value in zip(weights, decoded)]
             ghosts += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
-            # (Inside an outer scope, e.g. `stateless_apply`, its writes
-            # must be recorded: the scope path.)
-            bound = native and not in_stateless_scope()
             if bound:
                 # The ghosts are these tensors; the plain and the inner
                 # optimizer's own variables are updated where they are.
-                with bound_ghosts(ghosts):
+                factors = {id(ghost): f for (_, ghost, _), f in zip(weights, folds) if f is not None}
+                with bound_ghosts(ghosts, factors):
                     inner.apply(inner_grads, self._inner_vars)
                 values = {id(ghost): value for ghost, value in ghosts}
                 new_of = lambda ghost: values[id(ghost)]
@@ -442,6 +457,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 # would leave new data beside old scales and slots, as the
                 # in-place float32 update already could.)
                 intos=stored if bound else None,
+                units=[None if f is None else 1.0 / f for f in folds],
             )
             writes = []
             for (sv, _, old_scale), (data, scale), src in zip(weights, encoded, stored):

@@ -55,7 +55,7 @@ def rescale_factors(datas, rescale):
     return S.unstack(factors)
 
 
-def encode_weights(values, scales, dtypes, keys, owned=False, intos=None):
+def encode_weights(values, scales, dtypes, keys, owned=False, intos=None, units=None):
     """`(data, scale)` of each float32 weight in `values` with its pow2
     scale in `scales` (the current scale times its `rescale_factors`
     entry, kept in the normal range `[2**-126, 2**126]`): `data = value ·
@@ -78,10 +78,16 @@ def encode_weights(values, scales, dtypes, keys, owned=False, intos=None):
             stochastically rounded weight may be written there (the
             returned data is then that tensor: callers compare identity).
             None: new tensors.
+        units: per weight, the pow2 scale (a Python float) its value is
+            expressed in, or None for float32 values as they are (a
+            weight updated on its stored data: `scale_folds`). The data
+            is then `value · (unit/scale)`, no pass where that is 1.
     """
     # A normal pow2 scale has an exact reciprocal: one multiply per
     # element instead of a divide (the scale is kept normal).
     scales, invs = zip(*[_normal_and_inverse(scale) for scale in scales]) if scales else ((), ())
+    if units is not None:
+        invs = [inv if unit is None else _times(inv, unit) for inv, unit in zip(invs, units)]
     values = S.multiply_all_in_place(values, invs) if owned else [v * inv for v, inv in zip(values, invs)]
     out = [[value, scale] for value, scale in zip(values, scales)]
     rounded = {}
@@ -105,6 +111,13 @@ def encode_weights(values, scales, dtypes, keys, owned=False, intos=None):
     return [tuple(pair) for pair in out]
 
 
+def _times(inverse, unit):
+    """`inverse · unit` (both powers of two), a Python float where the host
+    has `inverse` (`multiply_all_in_place` then skips a factor of 1)."""
+    value = S.host_value(inverse)
+    return unit * value if value is not None else S.multiply(inverse, unit)
+
+
 @S.memoize_scalars
 def _normal_and_inverse(scale):
     """`(scale clipped to [SCALE_MIN, SCALE_MAX], its reciprocal)`."""
@@ -123,15 +136,16 @@ def encode_slot(value, dtype):
 
 def decode_all(datas, scales, owned):
     """`[decode(d, s, o) ...]` over `datas`, `scales` and `owned`, the
-    in-place ones as one batch (`backend.scalar.multiply_all_in_place`)."""
+    in-place ones as one batch (`backend.scalar.multiply_all_in_place`);
+    a scale of None leaves float32 data as it is."""
     values = [pow2.as_dtype(d, "float32") for d in datas]
     batch = [
         i
-        for i, (d, o) in enumerate(zip(datas, owned))
-        if o or dtype_name(d.dtype) != "float32"
+        for i, (d, s, o) in enumerate(zip(datas, scales, owned))
+        if s is not None and (o or dtype_name(d.dtype) != "float32")
     ]
     in_batch = set(batch)
-    out = [v if i in in_batch else v * s for i, (v, s) in enumerate(zip(values, scales))]
+    out = [v if i in in_batch or s is None else v * s for i, (v, s) in enumerate(zip(values, scales))]
     for i, v in zip(batch, S.multiply_all_in_place([values[i] for i in batch], [scales[i] for i in batch])):
         out[i] = v
     return out

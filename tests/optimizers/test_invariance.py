@@ -124,3 +124,74 @@ def test_a_variables_own_grad_is_scaled_in_place_and_others_are_not():
     assert all(calls[0])
     if keras.backend.backend() == "torch":
         assert not all(calls[1])  # scaled by the grad scales in place
+
+
+FOLDING = ("adam", "adamw_exclude_bias", "adam_schedule_clipnorm", "lion")
+
+
+@pytest.mark.parametrize("name", FOLDING)
+def test_updating_float32_data_with_a_scaled_learning_rate_changes_no_bit(name, monkeypatch):
+    """On eager torch, Adam, AdamW and Lion update a float32 weight on its
+    stored data with the learning rate divided by its scale
+    (`backend.optimizer.scale_folds`: no decode, no re-encode). Weights,
+    scales and slots are bit for bit those of the decoded update, across
+    two rescaling steps. JAX and TensorFlow never fold."""
+    from keras_scalify.backend import optimizer as backend_optimizer
+    from keras_scalify.optimizers import scaled_optimizer
+
+    x, y = data(n=25 * BATCH)
+    results, folded = [], []
+    spy = backend_optimizer.scale_folds
+
+    def counting(*args):
+        out = spy(*args)
+        folded.append(sum(f is not None and f != 1.0 for f in out))
+        return out
+
+    monkeypatch.setattr(scaled_optimizer, "scale_folds", counting)
+    for minimum in (2**62, 1):
+        monkeypatch.setattr(backend_optimizer, "FOLD_MIN_ELEMENTS", minimum)
+        folded.clear()
+        model = scaled_mlp("scaled_float32")
+        optimizer = ksc.ScaledOptimizer(OPTIMIZERS[name](), rescale_every=10)
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        results.append([keras.ops.convert_to_numpy(v) for v in model.weights + optimizer.variables])
+        if minimum == 1:
+            on_torch = keras.backend.backend() == "torch" and not on_gpu()
+            assert (min(folded) > 0) if on_torch else (max(folded, default=0) == 0)
+        else:
+            assert max(folded, default=0) == 0
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_scale_folds_only_where_the_update_is_linear_in_the_learning_rate(monkeypatch):
+    """`scale_folds`: Keras's torch Adam / AdamW / Lion without EMA; a
+    group of weights sharing a scale at least FOLD_MIN_ELEMENTS large; a
+    normal power of two within FOLD_MAX_EXPONENT binades of 1. Never on
+    JAX or TensorFlow, nor for SGD with momentum (its slot holds the
+    learning rate)."""
+    from keras_scalify.backend import optimizer as backend_optimizer
+
+    monkeypatch.setattr(backend_optimizer, "FOLD_MIN_ELEMENTS", 100)
+    scales = [keras.ops.convert_to_tensor(np.float32(v)) for v in (0.25, 0.25, 0.5, 3.0, 2.0**40)]
+    scales.append(None)
+    sizes = [60, 60, 60, 500, 500, 500]
+
+    def folds(optimizer):
+        model = scaled_mlp("scaled_float32")
+        ksc.ScaledOptimizer(optimizer).build(model.trainable_variables)
+        return backend_optimizer.scale_folds(optimizer, scales, sizes)
+
+    adam = folds(keras.optimizers.Adam())
+    if keras.backend.backend() != "torch" or on_gpu():
+        assert adam == [None] * 6
+        return
+    # 0.25 twice (120 elements) folds; 0.5 alone (60) does not; 3 is no
+    # power of two; 2**40 is outside the window; None is no candidate.
+    assert adam == [4.0, 4.0, None, None, None, None]
+    assert folds(keras.optimizers.Lion())[:2] == [4.0, 4.0]
+    assert folds(keras.optimizers.AdamW(weight_decay=0.1))[:2] == [4.0, 4.0]
+    assert folds(keras.optimizers.SGD(momentum=0.9)) == [None] * 6
+    assert folds(keras.optimizers.Adam(use_ema=True)) == [None] * 6
