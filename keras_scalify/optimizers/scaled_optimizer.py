@@ -305,7 +305,10 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                     always.append((self._trainable_variables[i], g))
                 continue
             if kind == "weight":
-                scale = read_tensor(sv.scale)
+                # (Detached: on eager torch a scale variable's tensor
+                # requires a gradient, which no memoized scalar function
+                # or host read takes: 3 scalar ops per weight per step.)
+                scale = S.stop_gradient(read_tensor(sv.scale))
                 weights.append((sv, v, scale))
                 if g is not None:
                     measured.append((len(inner_grads), sv, scale, g))
