@@ -111,6 +111,18 @@ def test_keep_heap_sets_glibcs_options_and_reports_a_refusal(step_time):
         step_time.keep_heap(Libc(0))
 
 
+def test_ratios_pair_the_rows_round_by_round(step_time):
+    """A row's ratio is the median of its per-round ratios to its
+    counterpart: rounds in a slower phase of the machine (2x from the
+    third on) leave it at 1.1, and so does a round where the machine
+    slowed between the two rows (the second, an outlier), where the
+    whole-run medians' ratio would read 2.2 / 1.0 = 2.2."""
+    by_round = {"scaled": [1.1, 2.2, 2.2, 2.2, 1.1], "keras": [1.0, 1.0, 2.0, 2.0, 1.0]}
+    by_round = {k: [float(t) for t in v] for k, v in by_round.items()}
+    assert step_time.paired_ratio(by_round, "scaled", "keras") == pytest.approx(1.1)
+    assert step_time.paired_ratio(by_round, "keras", "scaled") == pytest.approx(1 / 1.1)
+
+
 def test_step_time_jit_compile(step_time, capsys):
     """`--jit-compile`: every row compiled with `jit_compile=True` (torch:
     `torch.compile` through Keras) runs and is timed."""
