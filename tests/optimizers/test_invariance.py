@@ -135,7 +135,8 @@ def test_updating_float32_data_with_a_scaled_learning_rate_changes_no_bit(name, 
     stored data with the learning rate divided by its scale
     (`backend.optimizer.scale_folds`: no decode, no re-encode). Weights,
     scales and slots are bit for bit those of the decoded update, across
-    two rescaling steps. JAX and TensorFlow never fold."""
+    two rescaling steps; a plain Keras layer beside them trains as before.
+    JAX and TensorFlow never fold."""
     from keras_scalify.backend import optimizer as backend_optimizer
     from keras_scalify.optimizers import scaled_optimizer
 
@@ -152,7 +153,9 @@ def test_updating_float32_data_with_a_scaled_learning_rate_changes_no_bit(name, 
     for minimum in (2**62, 1):
         monkeypatch.setattr(backend_optimizer, "FOLD_MIN_ELEMENTS", minimum)
         folded.clear()
-        model = scaled_mlp("scaled_float32")
+        scaled = scaled_mlp("scaled_float32")
+        head = keras.layers.Dense(4, kernel_initializer="ones")
+        model = keras.Model(scaled.inputs, head(scaled.outputs[0]))
         optimizer = ksc.ScaledOptimizer(OPTIMIZERS[name](), rescale_every=10)
         model.compile(optimizer=optimizer, loss="mse")
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
