@@ -443,11 +443,21 @@ if TORCH:
         """`a·fa + sign·b·fb`; backward `g·ba`, `sign·g·bb` (docstring)."""
         return _ScaledSum.apply(a, fa, ba, b, fb, bb, sign)
 
+    def bias_in_gemm(*xs):
+        """Whether a Dense layer's bias add (and activation) joins its
+        GEMMs' custom gradient (`ops.linalg.contraction_plus`): for
+        float32 tensors (`applies`), whose composition's passes eager
+        torch runs one by one."""
+        return applies(*xs)
+
     def scaled_product(a, ca, b, cb):
         """`a·b`; backward `g·b·ca`, `g·a·cb` (module docstring)."""
         return _ScaledProduct.apply(a, ca, b, cb)
 
 else:
+    import keras
+
+    _TF = keras.backend.backend() == "tensorflow"
 
     def gated(a, s, kind):
         """`a·gate(a·s)` (module docstring); `s` gets no gradient."""
@@ -456,6 +466,16 @@ else:
     def applies(*xs):
         """No fused sum or product here: the caller composes the rule."""
         return False
+
+    def bias_in_gemm(*xs):
+        """Whether a Dense layer's bias add (and activation) joins its
+        GEMMs' custom gradient (`ops.linalg.contraction_plus`): on
+        TensorFlow for float32 tensors, whose CPU graphs fuse no
+        elementwise chain (the sum's factors then join the GEMMs', which
+        apply them to the smaller operand, instead of a pass over the
+        output each way); not on JAX, where XLA fuses the composition
+        (the node measured ~3% slower on the MLP of `step_time.py`)."""
+        return _TF and all(S.has_dtype(x, "float32") for x in xs)
 
     def gate_epilogue(s, kind):
         """None: the caller applies `gated` (XLA / Grappler fuse it)."""

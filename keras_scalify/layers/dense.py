@@ -38,19 +38,20 @@ def _votes(layer, calibrated):
 
 def _bias_in_gemm(x, w):
     """Whether the bias add joins the GEMMs' custom gradient for these
-    operands (`backend.fused.applies`: float32 eager torch tensors)."""
-    return fused.applies(x.data if is_scaled(x) else x, w.data)
+    operands (`backend.fused.bias_in_gemm`: float32 tensors on eager torch
+    and TensorFlow)."""
+    return fused.bias_in_gemm(x.data if is_scaled(x) else x, w.data)
 
 
 def matmul_bias_and_activation(layer, subscripts_or_none, x, w, calibrated=None):
     """`bias_and_activation(layer, policy_matmul(layer, subscripts_or_none,
     x, w, epilogue=True, calibrated=calibrated))`. Under a float32 policy
     with a bias or a GELU / SiLU, where the backend runs each op's passes
-    as they come (`backend.fused.applies`: eager torch), the GEMMs, the
-    bias add and the activation are one custom gradient
-    (`ops.linalg.contraction_plus`, the rules' scales unchanged); XLA and Grappler fuse
-    the composition themselves (on jax the fused node measured ~3% slower
-    on the MLP of `step_time.py`)."""
+    as they come (`backend.fused.bias_in_gemm`: eager torch, TensorFlow),
+    the GEMMs and the bias add (and, on eager torch, the activation) are
+    one custom gradient (`ops.linalg.contraction_plus`, the rules' scales
+    unchanged); XLA fuses the composition itself (on jax the fused node
+    measured ~3% slower on the MLP of `step_time.py`)."""
     gate = gate_kind(layer._act)
     if (layer._bias is not None or gate is not None) and _bias_in_gemm(x, w) and all(
         dtype_name(d) == "float32"
