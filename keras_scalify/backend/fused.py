@@ -58,6 +58,12 @@ attention's masked scores through the rules of `where`, `softmax` and
 `where`, torch's softmax and its fused backward) instead of ~5 passes each
 way; elsewhere None, and the caller composes the rules.
 
+**Bias add in the GEMM node** `bias_in_gemm(x, w)`: whether a Dense
+layer's bias add (and, on eager torch, its activation) joins its GEMMs'
+custom gradient (`ops.linalg.contraction_plus`): eager torch and
+TensorFlow, for float32 tensors (TensorFlow's CPU graphs fuse no
+elementwise chain); not JAX (XLA fuses the composition).
+
 **Product with cotangent factors** `scaled_product(a, ca, b, cb)`: `a·b`
 with backward `cotangent·b·ca` and `cotangent·a·cb` (the rule of
 `multiply`), float32 data. Torch: the factor is applied to the smaller
