@@ -42,6 +42,7 @@ things make that work on every backend:
 
 
 import contextlib
+import functools
 import math
 import types
 
@@ -128,12 +129,20 @@ def native_updates(optimizer, guard):
         optimizer.__dict__.update(generic)
 
 
-# Keras's torch optimizers whose native update writes a variable once, as
-# `variable += learning_rate · f(gradient, slots, iterations)`, with slots
-# that never see the learning rate or the variable (found by reading
-# `keras/src/backend/torch/optimizers`; a subclass may differ, so exact
-# types only). Their weight decay multiplies the variable by a factor.
-_SCALE_FOLDING = {"torch_adam": ("Adam",), "torch_adamw": ("AdamW",), "torch_lion": ("Lion",)}
+@functools.cache
+def _scale_folding_types():
+    """Keras's torch optimizers whose native update writes a variable
+    once, as `variable += learning_rate · f(gradient, slots, iterations)`,
+    with slots that never see the learning rate or the variable (found by
+    reading `keras/src/backend/torch/optimizers`; a subclass may differ,
+    so exact types only). Their weight decay multiplies the variable by a
+    factor."""
+    from keras.src.backend.torch.optimizers import torch_adam
+    from keras.src.backend.torch.optimizers import torch_adamw
+    from keras.src.backend.torch.optimizers import torch_lion
+
+    return (torch_adam.Adam, torch_adamw.AdamW, torch_lion.Lion)
+
 
 # Elements of the weights that share one folded scale below which their
 # decode and re-encode (two passes) cost no more than one more run of
@@ -144,17 +153,16 @@ _SCALE_FOLDING = {"torch_adam": ("Adam",), "torch_adamw": ("AdamW",), "torch_lio
 # gained nothing measurable.
 FOLD_MIN_ELEMENTS = 2**19
 
+# The largest |log2| of a folded scale.
+FOLD_MAX_EXPONENT = 32
+
 
 def _folds_scales(optimizer):
-    if optimizer.use_ema or not getattr(optimizer, "_ksc_native", None):
-        return False
-    import importlib
-
-    for module, names in _SCALE_FOLDING.items():
-        mod = importlib.import_module(f"keras.src.backend.torch.optimizers.{module}")
-        if any(type(optimizer) is getattr(mod, name) for name in names):
-            return True
-    return False
+    return (
+        not optimizer.use_ema
+        and bool(getattr(optimizer, "_ksc_native", None))
+        and type(optimizer) in _scale_folding_types()
+    )
 
 
 def scale_folds(optimizer, scales, sizes):
@@ -203,10 +211,6 @@ def scale_folds(optimizer, scales, sizes):
             for i in members:
                 out[i] = 1.0 / value
     return out
-
-
-# The largest |log2| of a folded scale.
-FOLD_MAX_EXPONENT = 32
 
 
 @contextlib.contextmanager
