@@ -321,9 +321,9 @@ def test_auto_route_simulates_on_a_cpu_without_bfloat16_units(monkeypatch):
 
 
 def test_simulation_rounding_is_saturating_cast_bit_for_bit(monkeypatch):
-    # Each backend's rounding (jax: float32 arithmetic; torch: integer
-    # passes on the bit pattern, a chunk at a time: chunks of 1000 here,
-    # the last one partial) against its own saturating cast, on values
+    # Each backend's rounding (jax: float32 arithmetic; torch: an add and
+    # subtract of a per-element power-of-two constant, a chunk at a time:
+    # chunks of 1000 here, the last one partial) against its own saturating cast, on values
     # over 16 decades, float32 bit patterns, and each format's ties,
     # boundaries, subnormals, ±0, ±inf and NaN.
     from tests.core.test_formats import _edge_values
