@@ -36,6 +36,11 @@ TORCH = keras.backend.backend() == "torch"
 # pass (FP8 rounding of 1024x1024 float32, one thread: 3.9 -> 1.2 ms).
 ELEMENTWISE_CHUNK = 2**18
 
+# The size from which `unless_one` skips a multiply by 1 at run time on a
+# TensorFlow graph: below it, the conditional's own ops cost about as much
+# as the pass.
+UNLESS_ONE_MIN_ELEMENTS = 2**15
+
 _DTYPE_NAMES = {}
 
 
@@ -209,6 +214,11 @@ if TORCH:
         (`host_value`): a multiply by it can then be skipped, which saves
         a pass over the data it would scale."""
         return host_value(x) == 1.0
+
+    def unless_one(factor, x, times):
+        """`times()` (`x` times `factor`), or `x` where `factor` is known on
+        the host to be 1 (`is_one`)."""
+        return x if is_one(factor) else times()
 
     def _number_or_constant(a, like):
         if type(a) not in _NUMBERS:
@@ -900,6 +910,40 @@ else:
     def is_one(x):
         """Whether `x` is the Python number 1."""
         return host_value(x) == 1.0
+
+    def unless_one(factor, x, times):
+        """`times()` (`x` times `factor`), or `x` where `factor` is 1.
+
+        On a TensorFlow graph that XLA does not compile, for a tensor `x`
+        of at least `UNLESS_ONE_MIN_ELEMENTS` elements, the choice is made
+        at run time (`tf.cond`, lowered to a switch: the untaken branch
+        does not run): a factor of 1, which eager torch sees on the host
+        and skips, no longer costs a pass there either (the rescales of
+        the GPT of `step_time.py`, ~5 ms of its 2-thread op time per
+        step). XLA and jax fuse the multiply into its neighbours, where a
+        conditional would split the fusion."""
+        if is_one(factor):
+            return x
+        if _TF and _runtime_choice(x, factor):
+            return _tf.cond(_tf.equal(factor, 1.0), lambda: _tf.identity(x), times)
+        return times()
+
+    def _runtime_choice(x, factor):
+        """Whether `unless_one` chooses with `tf.cond`: a large static-shape
+        tensor and a scalar factor of a TensorFlow graph (a `tf.function`
+        trace) that XLA does not compile. `control_flow_util`'s XLA test
+        is TensorFlow's internal one (no public equivalent): where it is
+        missing, no conditional is built."""
+        if not (isinstance(x, _tf.Tensor) and isinstance(factor, _tf.Tensor)) or _tf.executing_eagerly():
+            return False
+        n = x.shape.num_elements()
+        if n is None or n < UNLESS_ONE_MIN_ELEMENTS or factor.shape.rank != 0:
+            return False
+        try:
+            from tensorflow.python.ops import control_flow_util
+        except ImportError:
+            return False
+        return not control_flow_util.GraphOrParentsInXlaContext(_tf.compat.v1.get_default_graph())
 
     def float32_scalar(value, like):
         """Python number `value` as a float32 0-d tensor."""

@@ -28,13 +28,11 @@ _LOW = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 def _mul_pow2(x, factor):
     """`x * factor` for a float32 pow2 scalar, rounding once in x's dtype
-    (`x` itself where the factor is known to be 1: no pass)."""
-    if S.is_one(factor):
-        return x
+    (`x` itself where the factor is 1: no pass, `backend.scalar.unless_one`)."""
     dtype = dtype_name(x.dtype)
     if dtype in _LOW:
-        return S.cast(S.multiply(S.cast(x, "float32"), factor), dtype)
-    return S.multiply(x, pow2.as_dtype(factor, dtype))
+        return S.unless_one(factor, x, lambda: S.cast(S.multiply(S.cast(x, "float32"), factor), dtype))
+    return S.unless_one(factor, x, lambda: S.multiply(x, pow2.as_dtype(factor, dtype)))
 
 
 def _upstream(args, upstream):

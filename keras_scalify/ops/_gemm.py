@@ -53,7 +53,9 @@ def _apply(gemm, x, y, factor, out_shape, dtype, exact, alpha=False):
     factor known to be 1 is not applied; one the host knows, with `alpha`
     (the GEMMs take it, `Gemms.alpha`, and it is a power of two), is the
     GEMM's own `alpha` when it is a normal float32 (`_NORMAL_MIN`); on
-    the GEMM's own result it is applied in place (eager torch)."""
+    the GEMM's own result it is applied in place (eager torch). A factor
+    of 1 at run time is skipped on TensorFlow graphs
+    (`backend.scalar.unless_one`)."""
     host = S.host_value(factor)
     if host == 1.0:
         return as_dtype(gemm(x, y), dtype)
@@ -62,10 +64,11 @@ def _apply(gemm, x, y, factor, out_shape, dtype, exact, alpha=False):
     if exact:
         smaller = _operand_to_scale(tuple(x.shape), tuple(y.shape), tuple(out_shape))
         if smaller == 0:
-            return gemm(S.multiply(x, factor), y)
+            return gemm(S.unless_one(factor, x, lambda: S.multiply(x, factor)), y)
         if smaller == 1:
-            return gemm(x, S.multiply(y, factor))
-    return as_dtype(S.multiply_in_place(gemm(x, y), factor), dtype)
+            return gemm(x, S.unless_one(factor, y, lambda: S.multiply(y, factor)))
+    out = gemm(x, y)
+    return as_dtype(S.unless_one(factor, out, lambda: S.multiply_in_place(out, factor)), dtype)
 
 
 def _operand_to_scale(x_shape, y_shape, out_shape):

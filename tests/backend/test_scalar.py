@@ -477,3 +477,46 @@ def test_reused_buffers_are_not_made_under_inference_mode():
     outside = (fp8._round_torch(w, "float8_e4m3fn"), stochastic_cast(x, "float16", key=key))
     for a, b in zip(inside, outside):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.25, 2.0**40])
+def test_unless_one_is_the_multiply_bit_for_bit(run, factor):
+    # `x · factor` (the multiply `times` makes) whatever path is taken: on
+    # a TensorFlow graph a large `x` chooses at run time; inf and NaN in
+    # `x` pass through a factor of 1 as they would through the multiply.
+    x = np.random.default_rng(0).standard_normal(S.UNLESS_ONE_MIN_ELEMENTS + 7).astype(np.float32)
+    x[:3] = [np.inf, -np.inf, np.nan]
+    for n in (5, x.size):  # below and above the size of the run-time choice
+        xt = ops.convert_to_tensor(x[:n])
+
+        def f(x, k):
+            return S.unless_one(k, x, lambda: ops.multiply(x, k))
+
+        got = np.asarray(ops.convert_to_numpy(run(f, xt, ops.convert_to_tensor(np.float32(factor)))))
+        want = x[:n] * np.float32(factor)
+        assert got.tobytes() == want.tobytes() or np.array_equal(got, want, equal_nan=True)
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="inspects a TensorFlow graph")
+def test_unless_one_chooses_at_run_time_on_tensorflow_graphs_only():
+    # A conditional on a traced graph for a large tensor, where the untaken
+    # multiply does not run; none for a small tensor, nor under XLA (which
+    # fuses the multiply), nor for a Python 1 (no op at all).
+    import tensorflow as tf
+
+    big = tf.zeros((S.UNLESS_ONE_MIN_ELEMENTS,))
+    small = tf.zeros((8,))
+
+    def f(x, k):
+        return S.unless_one(k, x, lambda: x * k)
+
+    def op_types(fn, x, k):
+        return {op.type for op in tf.function(fn).get_concrete_function(x, k).graph.get_operations()}
+
+    k = tf.constant(1.0)
+    assert {"If", "StatelessIf"} & op_types(f, big, k)
+    assert not {"If", "StatelessIf"} & op_types(f, small, k)
+    xla = tf.function(f, jit_compile=True).get_concrete_function(big, k).graph
+    assert not {"If", "StatelessIf"} & {op.type for op in xla.get_operations()}
+    assert S.unless_one(1.0, big, lambda: pytest.fail("multiplied by a Python 1")) is big
