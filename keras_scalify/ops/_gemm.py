@@ -61,14 +61,16 @@ def _apply(gemm, x, y, factor, out_shape, dtype, exact, alpha=False):
         return as_dtype(gemm(x, y), dtype)
     if alpha and host is not None and _NORMAL_MIN <= abs(host) <= _NORMAL_MAX:
         return as_dtype(gemm(x, y, alpha=host), dtype)
+    # (A factor the host knows is not 1 here, and is not read again.)
+    unless_one = S.unless_one if host is None else (lambda f, v, times: times())
     if exact:
         smaller = _operand_to_scale(tuple(x.shape), tuple(y.shape), tuple(out_shape))
         if smaller == 0:
-            return gemm(S.unless_one(factor, x, lambda: S.multiply(x, factor)), y)
+            return gemm(unless_one(factor, x, lambda: S.multiply(x, factor)), y)
         if smaller == 1:
-            return gemm(x, S.unless_one(factor, y, lambda: S.multiply(y, factor)))
+            return gemm(x, unless_one(factor, y, lambda: S.multiply(y, factor)))
     out = gemm(x, y)
-    return as_dtype(S.unless_one(factor, out, lambda: S.multiply_in_place(out, factor)), dtype)
+    return as_dtype(unless_one(factor, out, lambda: S.multiply_in_place(out, factor)), dtype)
 
 
 def _operand_to_scale(x_shape, y_shape, out_shape):
