@@ -86,8 +86,11 @@ A model whose stateless sublayers stay unbuilt after a train step (the
 ScaledDropout of a ScaledMultiHeadAttention with dropout=0, never called)
 makes Keras re-trace it symbolically before every `train_on_batch`; the
 script prints that cost, then marks such layers built and times the steady
-state (`--keep-unbuilt` times them as they are). `--breakdown` (jax)
-also times the jitted forward+backward and optimizer update apart.
+state (`--keep-unbuilt` times them as they are). `--breakdown` also
+times parts of the step apart: on jax the jitted forward+backward and
+optimizer update; on eager torch the forward, loss, backward and optimizer
+update of Keras's torch train step, and what `train_on_batch` costs beyond
+them (Keras's bookkeeping).
 `--op-count` (torch) counts the aten operators of one train_on_batch per
 row with `torch.profiler` (design §9c's operator counts); on a GPU also its
 kernel launches, the host's waits for the device (synchronizations) and
@@ -489,6 +492,78 @@ def jax_breakdown(model, x, y, repeats):
     return median_ms(grad_fn, tv, ntv, x, y), median_ms(opt_fn, ov, grads, tv)
 
 
+# The parts of an eager torch step that `torch_breakdown` times apart.
+TORCH_PARTS = ("forward", "loss", "backward", "optimizer")
+
+
+def torch_breakdown(models, x, y, rounds, routes):
+    """Eager torch only: per row, the median ms of each part of a training
+    step timed apart (`TORCH_PARTS`), the rows interleaved round by round
+    as in `time_rows` (each under its FP8 route, `routes[row]`). The parts are the steps of Keras's torch
+    `train_step`, through public APIs: the forward call, `compute_loss`
+    and the optimizer's `scale_loss`, `backward()`, `optimizer.apply` of
+    the gradients. What `train_on_batch` costs beyond them (Keras's
+    bookkeeping: its per-call build check, which re-registers every
+    variable with torch, the data conversion, the loss tracker) is its
+    median minus their sum."""
+    import torch
+
+    xt, yt = keras.tree.map_structure(keras.ops.convert_to_tensor, (x, y))
+    times = {row: {part: [] for part in TORCH_PARTS} for row in models}
+    for _ in range(rounds):
+        for row, model in models.items():
+            with fp8.fp8_route(routes[row]):
+                t0 = time.perf_counter()
+                y_pred = model(xt, training=True)
+                t1 = time.perf_counter()
+                model.zero_grad()
+                loss = model.compute_loss(x=xt, y=yt, y_pred=y_pred, training=True)
+                loss = model.optimizer.scale_loss(loss)
+                t2 = time.perf_counter()
+                loss.backward()
+                t3 = time.perf_counter()
+                variables = model.trainable_weights
+                gradients = [v.value.grad for v in variables]
+                with torch.no_grad():
+                    model.optimizer.apply(gradients, variables)
+                t4 = time.perf_counter()
+            for part, seconds in zip(TORCH_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[row][part].append(seconds)
+    return {
+        row: {part: float(np.median(ts)) * 1e3 for part, ts in parts.items()}
+        for row, parts in times.items()
+    }
+
+
+def print_breakdown(backend, breakdown, med, jit_compile):
+    """The `--breakdown` tables (jax, eager torch) or why there is none."""
+    if backend == "torch" and jit_compile is not True:
+        print(
+            "\ntorch breakdown, the parts of an eager step timed apart (medians "
+            "over interleaved rounds; the rest is train_on_batch's median minus "
+            "their sum: Keras's bookkeeping):\n"
+        )
+        print("| row | " + " ms | ".join(TORCH_PARTS) + " ms | sum | train_on_batch ms | rest ms |")
+        print("|---|" + "---|" * (len(TORCH_PARTS) + 3))
+        for row, parts in breakdown.items():
+            total = sum(parts.values())
+            cells = [f"{parts[p]:.2f}" for p in TORCH_PARTS]
+            step = med[row] * 1e3
+            print(f"| {row} | {' | '.join(cells)} | {total:.2f} | {step:.2f} | {step - total:.2f} |")
+        return
+    if backend != "jax":
+        print("\n(--breakdown is implemented on jax and on eager torch only)")
+        return
+    print(
+        "\njax breakdown, each part jitted on its own (medians; the fused "
+        "train step can differ from the sum):\n"
+    )
+    print("| row | forward+backward ms | optimizer update ms | sum | train_on_batch ms |")
+    print("|---|---|---|---|---|")
+    for row, (fb, op) in breakdown.items():
+        print(f"| {row} | {fb:.2f} | {op:.2f} | {fb + op:.2f} | {med[row] * 1e3:.2f} |")
+
+
 def target_text(row, backend, ratio):
     if row not in TARGETS:
         return "", ""
@@ -554,6 +629,8 @@ def run_model(model_name, args):
         for row, model in models.items():
             with fp8.fp8_route(route_of[row]):
                 breakdown[row] = jax_breakdown(model, x, y, max(args.steps // 2, 3))
+    if args.breakdown and backend == "torch" and args.jit_compile is not True:
+        breakdown = torch_breakdown(models, x, y, max(args.steps // 2, 3), route_of)
     op_counts = {}
     if args.op_count and backend == "torch":
         for row, model in models.items():
@@ -617,17 +694,7 @@ def run_model(model_name, args):
     if bad:
         print(f"\nnon-finite loss in: {', '.join(bad)}")
     if args.breakdown:
-        if backend != "jax":
-            print("\n(--breakdown is implemented on jax only)")
-        else:
-            print(
-                "\njax breakdown, each part jitted on its own (medians; the fused "
-                "train step can differ from the sum):\n"
-            )
-            print("| row | forward+backward ms | optimizer update ms | sum | train_on_batch ms |")
-            print("|---|---|---|---|---|")
-            for row, (fb, op) in breakdown.items():
-                print(f"| {row} | {fb:.2f} | {op:.2f} | {fb + op:.2f} | {med[row] * 1e3:.2f} |")
+        print_breakdown(backend, breakdown, med, args.jit_compile)
     if args.op_count:
         if backend != "torch":
             print("\n(--op-count is implemented on torch only)")
@@ -723,7 +790,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--breakdown", action="store_true",
-        help="jax only: also time forward+backward and the optimizer update apart",
+        help="jax and eager torch: also time the parts of a step apart",
     )
     p.add_argument(
         "--op-count", action="store_true",

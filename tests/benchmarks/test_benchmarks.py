@@ -136,6 +136,32 @@ def test_step_time_jit_compile(step_time, capsys):
     assert ms > 0 and ratio > 0
 
 
+def test_step_time_breakdown(step_time, capsys):
+    """`--breakdown`: on eager torch the forward, loss, backward and
+    optimizer of each row timed apart, with what train_on_batch costs
+    beyond them; on jax the jitted parts; elsewhere a note."""
+    step_time.main(
+        ["--model", "mlp", "--mlp-input", "8", "--mlp-width", "16", "--mlp-depth", "1",
+         *TINY, "--breakdown", "--rows", "Keras float32", "scaled_float32"]
+    )
+    out = capsys.readouterr().out
+    backend = keras.config.backend()
+    if backend == "tensorflow":
+        assert "--breakdown is implemented on jax and on eager torch only" in out
+        return
+    title = "torch breakdown" if backend == "torch" else "jax breakdown"
+    rows = _table_rows(out.split(title)[1])
+    header = rows.pop("row")
+    assert set(rows) == {"Keras float32", "scaled_float32"}
+    parts = len(step_time.TORCH_PARTS) if backend == "torch" else 2
+    assert len(header) == parts + (3 if backend == "torch" else 2)
+    for cells in rows.values():
+        values = [float(c) for c in cells]
+        assert all(v > 0 for v in values[:parts]), cells
+        # The sum column adds the parts.
+        assert abs(values[parts] - sum(values[:parts])) < 0.02, cells
+
+
 def test_step_time_op_count(step_time, capsys):
     """`--op-count`: a table of aten operators per step on torch (a scaled
     step dispatches more than Keras's); elsewhere a note that it is
