@@ -498,21 +498,25 @@ TORCH_PARTS = ("forward", "loss", "backward", "optimizer")
 
 def torch_breakdown(models, x, y, rounds, routes):
     """Eager torch only: per row, the median ms of each part of a training
-    step timed apart (`TORCH_PARTS`), the rows interleaved round by round
-    as in `time_rows` (each under its FP8 route, `routes[row]`). The parts are the steps of Keras's torch
-    `train_step`, through public APIs: the forward call, `compute_loss`
-    and the optimizer's `scale_loss`, `backward()`, `optimizer.apply` of
-    the gradients. What `train_on_batch` costs beyond them (Keras's
-    bookkeeping: its per-call build check, which re-registers every
-    variable with torch, the data conversion, the loss tracker) is its
-    median minus their sum."""
+    step timed apart (`TORCH_PARTS`), and of a whole `train_on_batch` timed
+    in the same rounds, the rows interleaved round by round as in
+    `time_rows` (each under its FP8 route, `routes[row]`). The parts are
+    the steps of Keras's torch `train_step`, through public APIs: the
+    forward call, `compute_loss` and the optimizer's `scale_loss`,
+    `backward()`, `optimizer.apply` of the gradients. What
+    `train_on_batch` costs beyond them (Keras's bookkeeping: its per-call
+    build check, which re-registers every variable with torch, the data
+    conversion, the loss tracker) is its median minus their sum."""
     import torch
 
     xt, yt = keras.tree.map_structure(keras.ops.convert_to_tensor, (x, y))
-    times = {row: {part: [] for part in TORCH_PARTS} for row in models}
+    times = {row: {part: [] for part in (*TORCH_PARTS, "train_on_batch")} for row in models}
     for _ in range(rounds):
         for row, model in models.items():
             with fp8.fp8_route(routes[row]):
+                t0 = time.perf_counter()
+                model.train_on_batch(x, y)
+                times[row]["train_on_batch"].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 y_pred = model(xt, training=True)
                 t1 = time.perf_counter()
@@ -539,16 +543,17 @@ def print_breakdown(backend, breakdown, med, jit_compile):
     """The `--breakdown` tables (jax, eager torch) or why there is none."""
     if backend == "torch" and jit_compile is not True:
         print(
-            "\ntorch breakdown, the parts of an eager step timed apart (medians "
-            "over interleaved rounds; the rest is train_on_batch's median minus "
-            "their sum: Keras's bookkeeping):\n"
+            "\ntorch breakdown, the parts of an eager step timed apart, each "
+            "round also timing one whole train_on_batch (medians over "
+            "interleaved rounds; the rest is train_on_batch's median minus the "
+            "parts': Keras's bookkeeping):\n"
         )
         print("| row | " + " ms | ".join(TORCH_PARTS) + " ms | sum | train_on_batch ms | rest ms |")
         print("|---|" + "---|" * (len(TORCH_PARTS) + 3))
         for row, parts in breakdown.items():
-            total = sum(parts.values())
+            total = sum(parts[p] for p in TORCH_PARTS)
             cells = [f"{parts[p]:.2f}" for p in TORCH_PARTS]
-            step = med[row] * 1e3
+            step = parts["train_on_batch"]
             print(f"| {row} | {' | '.join(cells)} | {total:.2f} | {step:.2f} | {step - total:.2f} |")
         return
     if backend != "jax":
