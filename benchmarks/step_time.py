@@ -539,9 +539,9 @@ def torch_breakdown(models, x, y, rounds, routes):
     }
 
 
-def print_breakdown(backend, breakdown, med, jit_compile):
+def print_breakdown(backend, breakdown, med, eager_torch):
     """The `--breakdown` tables (jax, eager torch) or why there is none."""
-    if backend == "torch" and jit_compile is not True:
+    if eager_torch:
         print(
             "\ntorch breakdown, the parts of an eager step timed apart, each "
             "round also timing one whole train_on_batch (medians over "
@@ -634,7 +634,8 @@ def run_model(model_name, args):
         for row, model in models.items():
             with fp8.fp8_route(route_of[row]):
                 breakdown[row] = jax_breakdown(model, x, y, max(args.steps // 2, 3))
-    if args.breakdown and backend == "torch" and args.jit_compile is not True:
+    eager_torch = backend == "torch" and args.jit_compile is not True
+    if args.breakdown and eager_torch:
         breakdown = torch_breakdown(models, x, y, max(args.steps // 2, 3), route_of)
     op_counts = {}
     if args.op_count and backend == "torch":
@@ -699,7 +700,7 @@ def run_model(model_name, args):
     if bad:
         print(f"\nnon-finite loss in: {', '.join(bad)}")
     if args.breakdown:
-        print_breakdown(backend, breakdown, med, args.jit_compile)
+        print_breakdown(backend, breakdown, med, eager_torch)
     if args.op_count:
         if backend != "torch":
             print("\n(--op-count is implemented on torch only)")
