@@ -8,6 +8,9 @@ and, per size, milliseconds and TFLOP/s for: float32 `keras.ops.matmul`,
 bfloat16 `keras.ops.matmul`, and the forward GEMM of
 `keras_scalify.backend.fp8.fp8_gemms` on the route "auto" takes (marked),
 the native and the simulated route (E4M3 operands, float32 accumulation).
+Each FP8 row rounds its float32 operands to FP8 as a layer does; a route
+that rounds apart from its GEMM (torch's `_scaled_mm`, the simulation)
+also gets a "GEMM only" row, its GEMM on operands rounded ahead.
 On a CPU no route has FP8 arithmetic: jax and TensorFlow's native routes
 multiply the FP8 values as bfloat16 (exact, float32 accumulation), faster
 than float32 on CPUs with bfloat16 units (the device line says whether this
@@ -125,6 +128,9 @@ def main(argv=None):
                 taken.add(name)
                 label = f"fp8 {name}" + (" (auto)" if route == "auto" else "")
                 runs.append((label, kb.jit(_forward(gemms)), a, b))
+                if gemms.quantize is not None:  # the GEMM alone, on operands rounded ahead
+                    qa, qb, _ = gemms.quantize
+                    runs.append((f"fp8 {name}, GEMM only", kb.jit(gemms.forward), qa(a), qb(b)))
         t32 = None
         for label, fn, x, y in runs:
             t = time_fn(fn, x, y, repeats=args.repeats)

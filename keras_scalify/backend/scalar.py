@@ -170,7 +170,12 @@ if TORCH:
         if out is None:
             if len(_SCALARS) > 4096:
                 _SCALARS.clear()
-            out = _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)
+            # Narrow float dtypes through float32: CUDA's `full` refuses a
+            # finite number past float16's range, where a cast rounds it
+            # to inf as the CPU does.
+            narrow = dtype.is_floating_point and dtype.itemsize < 4
+            out = torch.full((), value, dtype=torch.float32 if narrow else dtype, device=device)
+            out = _SCALARS[key] = out.to(dtype)
         return out
 
     def float32_scalar(value, like):

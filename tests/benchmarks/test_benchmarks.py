@@ -262,7 +262,11 @@ def test_fp8_matmul(capsys):
     from keras_scalify.backend import fp8
 
     routes = {fp8.resolve_route("ak,kn->an", (32, 32), (32, 32), r) for r in fp8.ROUTES}
-    assert len(lines) == 2 + len(routes)
+    # Routes that round apart from their GEMM (simulate, torch's
+    # `_scaled_mm`) also get a "GEMM only" row.
+    apart = {r for r in routes if r in ("simulate", "torch-scaled_mm")}
+    assert len(lines) == 2 + len(routes) + len(apart)
+    assert {line.split()[2].rstrip(",") for line in lines if "GEMM only" in line} == apart
     auto = fp8.resolve_route("ak,kn->an", (32, 32), (32, 32), "auto")
     assert f"fp8 {auto} (auto)" in labels
 
