@@ -97,7 +97,7 @@ def gate(u, kind):
     if kind == "gelu_tanh":
         # Clipped where tanh is exactly ±1, so that u**3 stays finite.
         c = _SATURATED[kind]
-        u = ops.clip(u, -c, c)
+        u = S.clip(u, -c, c)
         return 0.5 * (1.0 + ops.tanh(_TANH_K * (u + 0.044715 * u * u * u)))
     if kind == "silu":
         return ops.sigmoid(u)

@@ -100,7 +100,7 @@ def saturating_cast(x, dtype):
         nonfinite = x - x
         x = S.subtract_in_place(S.clip_in_place(x, -fmt.max, fmt.max), nonfinite)
     else:
-        x = _keep_nonfinite(x, ops.clip(x, -fmt.max, fmt.max), fmt)
+        x = _keep_nonfinite(x, S.clip(x, -fmt.max, fmt.max), fmt)
     return ops.cast(x, fmt.name)
 
 
@@ -132,7 +132,7 @@ def saturating_round(x, dtype):
     m = int(np.log2(fmt.smallest_normal / q))  # mantissa bits
     fmax = fmt.max
     x0 = ops.cast(x, "float32")
-    x = ops.clip(x0, -fmax, fmax)
+    x = S.clip(x0, -fmax, fmax)
     a = ops.abs(x)
     shift = 23 - m
     bits = ops.view(a, "int32")

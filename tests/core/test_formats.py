@@ -242,3 +242,27 @@ def test_saturating_round_takes_float16_input_and_refuses_other_formats():
     np.testing.assert_array_equal(got, np.float32([288.0, 448.0, -(2.0**-9)]))
     with pytest.raises(ValueError, match="dtype"):
         saturating_round(x, "bfloat16")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="eager torch's tensor conversions")
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float16"])
+def test_saturating_cast_converts_no_python_number(monkeypatch, dtype):
+    """The clip bounds reach torch as Python numbers: Keras's `ops.clip`
+    converts each to a device tensor, on a GPU a host-to-device copy and a
+    wait, two per FP8 cast (30 of a scaled_fp8 GPT step's 48 waits on an
+    H100)."""
+    import torch
+
+    converted = []
+    as_tensor = torch.as_tensor
+
+    def counting(value, *args, **kwargs):
+        if isinstance(value, (bool, int, float)):
+            converted.append(value)
+        return as_tensor(value, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "as_tensor", counting)
+    x = torch.tensor([1e6, -3.0, float("inf"), 0.5])
+    saturating_cast(x, dtype)
+    saturating_cast(x.to(torch.float16), dtype)
+    assert converted == []
