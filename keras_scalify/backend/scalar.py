@@ -455,6 +455,18 @@ if TORCH:
             inv_sizes = torch.tensor([1.0 / math.sqrt(x.numel() or 1) for x in xs], dtype=torch.float32)
             return norms * inv_sizes
         return stack([rms(x) for x in xs])
+
+    def rms_all_on_host(xs):
+        """`rms_all(xs)` as Python floats (its float32 values), where the
+        host reads them for free: CPU float32 tensors on eager torch,
+        outside `memo_disabled()` (one read of the stacked vector). None
+        elsewhere."""
+        xs = list(xs)
+        if not xs or _MEMO_OFF or _is_compiling() or not all(
+            type(x) is _TENSOR and x.dtype == torch.float32 and x.is_cpu for x in xs
+        ):
+            return None
+        return rms_all(xs).tolist()
     add_in_place = _in_place("add_", add, "add")
     subtract_in_place = _in_place("sub_", subtract, "subtract")
     bitwise_and_in_place = _in_place("bitwise_and_", bitwise_and, "bitwise_and")
@@ -699,6 +711,40 @@ if TORCH:
             return variable.value
         return ops.convert_to_tensor(variable)
 
+    def detached_variable_value(variable, cache, slot):
+        """`stop_gradient(variable_value(variable))` of a scalar variable
+        (a weight's scale or grad scale). On eager torch, the detached
+        tensor of a variable that needs a gradient is kept in
+        `cache[slot]` (a dict its caller owns) and returned again while the
+        variable holds the same tensor (it shares the tensor's storage and
+        version counter), with its memo key read once per version of the
+        tensor (`_VERSIONED_KEY_ATTR`; every in-place write bumps the
+        version): a GPT step of `benchmarks/step_time.py` read ~200
+        scales, each a `detach` and an `item()`. Elsewhere, the plain
+        read."""
+        value = variable_value(variable)
+        if (
+            type(value) is not _PARAMETER
+            or not value.requires_grad
+            or _MEMO_OFF
+            or _is_compiling()
+            or _is_inference()
+        ):
+            return stop_gradient(value)
+        hit = cache.get(slot)
+        if hit is not None and hit[0] is value:
+            alias = hit[1]
+            versioned = alias.__dict__.get(_VERSIONED_KEY_ATTR)
+            if versioned is not None and versioned[0] == alias._version:
+                return alias
+        else:
+            alias = value.detach()
+            cache[slot] = (value, alias)
+        version, key = alias._version, _tensor_key(alias)
+        if key is not _MISS:
+            alias.__dict__[_VERSIONED_KEY_ATTR] = (version, key)
+        return alias
+
     def signature(x):
         """A hashable key of what a rule's static analysis reads of tensor
         `x` (shape, dtype, device) on eager torch, where that analysis
@@ -735,11 +781,16 @@ if TORCH:
         its own."""
         t = type(x)
         if t is _TENSOR or t is _PARAMETER:
-            key = x.__dict__.get(_KEY_ATTR)
+            attrs = x.__dict__
+            key = attrs.get(_KEY_ATTR)
             if key is None:
-                key = _tensor_key(x)
-                if key is _MISS:
-                    return _MISS
+                versioned = attrs.get(_VERSIONED_KEY_ATTR)
+                if versioned is not None and versioned[0] == x._version:
+                    key = versioned[1]
+                else:
+                    key = _tensor_key(x)
+                    if key is _MISS:
+                        return _MISS
             tensors.append(x)
             return key
         if t is tuple or t is list:
@@ -774,6 +825,9 @@ if TORCH:
     # The attribute under which a memoized result's tensor keeps its key
     # (its value never changes: no one writes a memo's results in place).
     _KEY_ATTR = "_ksc_memo_key"
+    # The attribute under which a variable's detached scalar keeps its key
+    # with the version it holds for (`detached_variable_value`).
+    _VERSIONED_KEY_ATTR = "_ksc_versioned_memo_key"
 
     # The tensors some memo keeps (never written in place).
     _MEMO_TENSORS = weakref.WeakSet()
@@ -978,6 +1032,15 @@ else:
     def rms_all(xs):
         """`stack([rms(x) for x in xs])`."""
         return stack([rms(x) for x in xs])
+
+    def rms_all_on_host(xs):
+        """None: the host has no tensor values here (see the torch one)."""
+        return None
+
+    def detached_variable_value(variable, cache, slot):
+        """`stop_gradient` of the variable's value (see the torch one)."""
+        return stop_gradient(variable_value(variable))
+
     bitwise_and_in_place, right_shift_in_place = bitwise_and, right_shift
     bitwise_xor_in_place = bitwise_xor
 

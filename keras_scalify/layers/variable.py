@@ -100,6 +100,7 @@ class ScaledVariable:
         data, scale = split_value(value)
         self.name = name
         self.master_dtype = master_dtype
+        self._reads = {}  # (`read_scale`)
         self.state_dtype = standardize_dtype(state_dtype)
         self.data = layer.add_weight(
             name=name,
@@ -152,8 +153,8 @@ class ScaledVariable:
             stored, inv_k = self.read_rebalanced()
             return ScaledTensor(rescale(stored.data, inv_k, 1.0), stored.scale, stored.grad_scale)
         data = read_tensor(self.data)
-        scale = S.stop_gradient(read_tensor(self.scale))
-        return ScaledTensor(data, scale, effective_grad_scale(S.stop_gradient(read_tensor(self.grad_scale)), scale))
+        scale = self.read_scale()
+        return ScaledTensor(data, scale, effective_grad_scale(self.read_stored_grad_scale(), scale))
 
     def read_rebalanced(self):
         """`read(rebalance=True)` with the data's factor left to the op
@@ -165,8 +166,8 @@ class ScaledVariable:
         own factors (`ops.linalg.contraction_plus(c_factor=)`): no node
         and no pass of its own."""
         data = read_tensor(self.data)
-        scale = S.stop_gradient(read_tensor(self.scale))
-        gs = effective_grad_scale(S.stop_gradient(read_tensor(self.grad_scale)), scale)
+        scale = self.read_scale()
+        gs = effective_grad_scale(self.read_stored_grad_scale(), scale)
         m = S.stop_gradient(S.max(S.abs(pow2.as_dtype(data, "float32"))))
         inv_k, _, scale = _rebalanced(pow2.pow2_round_down(m), scale)
         return ScaledTensor(data, scale, gs), inv_k
@@ -178,7 +179,17 @@ class ScaledVariable:
         all-zero or non-finite gradient). Contractions, `add` and
         `multiply` take it as `calibrated=` so that a guess does not vote
         for the grad scale of their output."""
-        return _is_calibrated(S.stop_gradient(read_tensor(self.grad_scale)))
+        return _is_calibrated(self.read_stored_grad_scale())
+
+    def read_scale(self):
+        """The scale's value, without gradient (the same tensor while it
+        is unchanged: `backend.scalar.detached_variable_value`)."""
+        return S.detached_variable_value(self.scale, self._reads, "scale")
+
+    def read_stored_grad_scale(self):
+        """The stored grad scale's value, without gradient (as
+        `read_scale`)."""
+        return S.detached_variable_value(self.grad_scale, self._reads, "grad_scale")
 
     @property
     def value(self):

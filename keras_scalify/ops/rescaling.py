@@ -154,6 +154,13 @@ def _host_grad_scale(stat, g_out, zero_may_be_underflow):
     v, g = S.host_value(stat), S.host_value(g_out)
     if v is None or g is None:
         return None
+    return S.float32_scalar(host_grad_scale(v, g, zero_may_be_underflow), stat)
+
+
+def host_grad_scale(v, g, zero_may_be_underflow):
+    """`grad_scale_from_statistic` of Python floats holding float32 values
+    (statistic `v`, grad scale `g`), in Python, bit for bit: a Python
+    float."""
     e_out = pow2.host_exponent(g)
     if not math.isfinite(v):
         e_new = e_out + RECOVERY_EXPONENT
@@ -163,7 +170,7 @@ def _host_grad_scale(stat, g_out, zero_may_be_underflow):
         e_new = max(e_out - RECOVERY_EXPONENT, min(e_out, ZERO_SEARCH_MIN_EXPONENT))
     else:
         e_new = e_out
-    return S.float32_scalar(math.ldexp(1.0, min(max(e_new, -126), 127)), stat)
+    return math.ldexp(1.0, min(max(e_new, -126), 127))
 
 
 def check_rebalance_factor(factor):

@@ -28,6 +28,7 @@ from keras_scalify.backend.optimizer import use_generic_updates
 from keras_scalify.layers.variable import effective_grad_scale
 from keras_scalify.layers.variable import read_tensor
 from keras_scalify.ops.rescaling import grad_scale_from_statistic
+from keras_scalify.ops.rescaling import host_grad_scale
 from keras_scalify.optimizers import state
 
 STATE_DTYPES = ("float32", "float16", "bfloat16")
@@ -262,6 +263,9 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         loss = self.inner_optimizer.scale_loss(loss)
         if loss is None:
             return loss
+        known = S.host_value(S.stop_gradient(loss))
+        if known is not None and math.isfinite(known):
+            return loss  # (the factor would be 1; eager torch on a CPU)
         finite = ops.all(ops.isfinite(ops.stop_gradient(loss)))
         one = ops.ones((), loss.dtype)
         return loss * ops.where(finite, one, one * float("nan"))
@@ -308,7 +312,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 # (Detached: on eager torch a scale variable's tensor
                 # requires a gradient, which no memoized scalar function
                 # or host read takes: 3 scalar ops per weight per step.)
-                scale = S.stop_gradient(read_tensor(sv.scale))
+                scale = sv.read_scale()
                 weights.append((sv, v, scale))
                 if g is not None:
                     measured.append((len(inner_grads), sv, scale, g))
@@ -317,19 +321,25 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             inner_grads.append(g)
         if measured:
             checks.append(self._calibrate(measured, inner_grads, always))
-        finite = checks[0] if checks else ops.ones((), "bool")
-        for c in checks[1:]:
-            finite = S.logical_and(finite, c)
+        # (A check the host decided is a Python bool.)
+        if any(c is False for c in checks):
+            finite = False
+        else:
+            tensors = [c for c in checks if c is not True]
+            finite = tensors[0] if tensors else (True if checks else ops.ones((), "bool"))
+            for c in tensors[1:]:
+                finite = S.logical_and(finite, c)
 
         # A skipped step writes nothing but the grad scales and counters.
-        elements = sum(math.prod(sv.data.shape) for sv, _, _ in weights)
+        elements = sum(self._sizes(weights))
         run_if(
             finite,
             lambda guard: self._update(weights, inner_grads, guard),
             fuse=elements >= FUSE_MIN_ELEMENTS,
         )
         assign_all(always)
-        self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
+        if finite is not True:  # (a Python bool where the host decided)
+            self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
         self._iterations.assign_add(1)
 
     def _calibrate(self, measured, inner_grads, always):
@@ -341,17 +351,22 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         overflow of the norm). The scalar bookkeeping runs once on the
         vector of all weights (a few ops per step instead of ~40 per
         weight)."""
-        scales = S.stack([scale for _, _, scale, _ in measured])
-        stored = S.stack([read_tensor(sv.grad_scale) for _, sv, _, _ in measured])
-        gs = effective_grad_scale(stored, scales)
         # Each gradient cast to float32 once, for its statistic and its
         # decode (a narrower one's copy is then scaled in place).
         as_float32 = [S.cast(g, "float32") for _, _, _, g in measured]
-        stats = S.rms_all(as_float32)  # `data_statistic(g, "l2")` of each
         # A float32 gradient cannot underflow to all zeros.
-        underflows = [
-            dtype_name(g.dtype) != "float32" for _, _, _, g in measured
+        underflows = [dtype_name(g.dtype) != "float32" for _, _, _, g in measured]
+        in_place = [
+            dtype_name(g.dtype) != "float32" or owned_gradient(g, sv.data)
+            for _, sv, _, g in measured
         ]
+        host = self._calibrate_on_host(measured, as_float32, underflows, in_place, inner_grads, always)
+        if host is not None:
+            return host
+        scales = S.stack([scale for _, _, scale, _ in measured])
+        stored = S.stack([read_tensor(sv.grad_scale) for _, sv, _, _ in measured])
+        gs = effective_grad_scale(stored, scales)
+        stats = S.rms_all(as_float32)  # `data_statistic(g, "l2")` of each
         if all(underflows) or not any(underflows):
             underflows = underflows[0]
         else:
@@ -370,10 +385,6 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         # squares rows). A float32 copy of a narrower gradient, and a
         # variable's own `.grad` on eager torch, are scaled in place (as
         # one batch).
-        in_place = [
-            dtype_name(g.dtype) != "float32" or owned_gradient(g, sv.data)
-            for _, sv, _, g in measured
-        ]
         scaled = iter(
             S.multiply_all_in_place(
                 [g32 for g32, p in zip(as_float32, in_place) if p],
@@ -385,15 +396,57 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             inner_grads[i] = next(scaled) if p else S.multiply(g32, g_scale)
         return ops.all(S.isfinite(stats * gs))
 
+    def _calibrate_on_host(self, measured, as_float32, underflows, in_place, inner_grads, always):
+        """`_calibrate` with its scalar bookkeeping in Python, bit for bit,
+        where the host reads the statistics and scales for free (eager
+        torch on a CPU: `backend.scalar.rms_all_on_host`): one read of the
+        statistics' vector instead of ~20 tensor ops on it and a tensor
+        per weight. Float32 arithmetic by NumPy; a grad scale that does
+        not change is not written. Returns whether all gradients are
+        finite (a Python bool), or None where the host cannot (then the
+        tensor ops run)."""
+        stats = S.rms_all_on_host(as_float32)
+        if stats is None:
+            return None
+        scales = [S.host_value(scale) for _, _, scale, _ in measured]
+        stored = [S.host_value(sv.read_stored_grad_scale()) for _, sv, _, _ in measured]
+        if any(v is None for v in scales + stored):
+            return None
+        f32 = lambda values: np.asarray(values, dtype=np.float32)
+        with np.errstate(all="ignore"):  # (inf and NaN are the answers)
+            # `effective_grad_scale`, and the skip test `isfinite(stat·gs)`.
+            gs = np.where(f32(stored) == 0, np.float32(1) / f32(scales), np.abs(f32(stored)))
+            finite = bool(np.isfinite(f32(stats) * gs).all())
+        gs = gs.tolist()
+        for (_, sv, _, _), v, g, old, under in zip(measured, stats, gs, stored, underflows):
+            new = host_grad_scale(v, g, under)
+            if not (math.isfinite(v) and v > 0.0):
+                new = -new  # (not measured: see `_calibrate`)
+            if new != old:
+                always.append((sv.grad_scale, S.float32_scalar(new, as_float32[0])))
+        scaled = iter(
+            S.multiply_all_in_place(
+                [g32 for g32, p in zip(as_float32, in_place) if p],
+                [g for g, p in zip(gs, in_place) if p],
+            )
+        )
+        for (i, _, _, _), g32, g, p in zip(measured, as_float32, gs, in_place):
+            inner_grads[i] = next(scaled) if p else S.multiply(g32, S.float32_scalar(g, g32))
+        return finite
+
     def _update(self, weights, inner_grads, guard):
         """The inner optimizer's step and the re-encoded weights and slots,
         each write selected by `guard` (a bool tensor, or True)."""
         inner = self.inner_optimizer
         # Measured on the stored data, before the update (which may write
         # it in place).
-        rescale = ops.equal(self._iterations % self.rescale_every, 0)
-        known = host_bool(rescale)
-        rescale = rescale if known is None else known
+        step = S.host_value(read_tensor(self._iterations))
+        if step is not None:  # (eager torch on a CPU)
+            rescale = int(step) % self.rescale_every == 0
+        else:
+            rescale = ops.equal(self._iterations % self.rescale_every, 0)
+            known = host_bool(rescale)
+            rescale = rescale if known is None else known
         if rescale is False:  # eager torch, between rescaling steps
             new_scales = [scale for _, _, scale in weights]
         else:
@@ -415,7 +468,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                         scale if sv.master_dtype == "float32" and ghost.constraint is None else None
                         for sv, ghost, scale in weights
                     ],
-                    [math.prod(sv.data.shape) for sv, _, _ in weights],
+                    self._sizes(weights),
                 )
             # The native update owns what it updates: float32 data is
             # decoded in place in its variable, updated there and
@@ -426,7 +479,11 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 [native and sv.master_dtype == "float32" for sv, _, _ in weights],
             )
             ghosts = [(ghost, value) for (_, ghost, _), value in zip(weights, decoded)]
-            ghosts += [(ghost, state.decode(read_tensor(d), None if s is None else read_tensor(s))) for ghost, d, s in self._slots]
+            # (A slot without a scale is float32, read as it is.)
+            ghosts += [
+                (ghost, read_tensor(d) if s is None else state.decode(read_tensor(d), read_tensor(s)))
+                for ghost, d, s in self._slots
+            ]
             if bound:
                 # The ghosts are these tensors; the plain and the inner
                 # optimizer's own variables are updated where they are.
@@ -468,6 +525,8 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 # again, nor a scale the host sees unchanged.)
                 if not (bound and data is src):
                     writes.append(commit(sv.data, data))
+                if scale is old_scale:  # (not rescaled)
+                    continue
                 known = S.host_value(old_scale) if bound else None
                 if known is None or S.host_value(scale) != known:
                     writes.append(commit(sv.scale, scale))
@@ -475,6 +534,8 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 writes += [(v, new_of(v)) for kind, _, v in self._entries if kind == "plain"]
                 writes += [(v, new_of(v)) for v in inner_real]
             for ghost, d, s in self._slots:
+                if s is None and bound:
+                    continue  # (float32, updated in its own tensor)
                 data, scale = state.encode_slot(new_of(ghost), self._resolved_state_dtype)
                 # float32: stored as computed (bound, its own tensor was
                 # the ghost, updated in place).
@@ -484,6 +545,13 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                     continue
                 writes += [commit(d, data), commit(s, scale)]
             assign_all(writes)
+
+    def _sizes(self, weights):
+        """The element counts of `weights` (static: computed once)."""
+        sizes = getattr(self, "_weight_sizes", None)
+        if sizes is None or len(sizes) != len(weights):
+            sizes = self._weight_sizes = [math.prod(sv.data.shape) for sv, _, _ in weights]
+        return sizes
 
     def _rounding_keys(self, weights):
         """One int32 stochastic-rounding key per weight (None: round to
