@@ -168,7 +168,8 @@ class ScaledVariable:
         data = read_tensor(self.data)
         scale = self.read_scale()
         gs = effective_grad_scale(self.read_stored_grad_scale(), scale)
-        m = S.stop_gradient(S.max(S.abs(pow2.as_dtype(data, "float32"))))
+        # (Of the data without its gradient: no autograd nodes.)
+        m = S.max(S.abs(pow2.as_dtype(S.stop_gradient(data), "float32")))
         inv_k, _, scale = _rebalanced(pow2.pow2_round_down(m), scale)
         return ScaledTensor(data, scale, gs), inv_k
 
