@@ -525,8 +525,6 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 # again, nor a scale the host sees unchanged.)
                 if not (bound and data is src):
                     writes.append(commit(sv.data, data))
-                if scale is old_scale:  # (not rescaled)
-                    continue
                 known = S.host_value(old_scale) if bound else None
                 if known is None or S.host_value(scale) != known:
                     writes.append(commit(sv.scale, scale))
