@@ -448,9 +448,7 @@ if TORCH:
         """`stack([rms(x) for x in xs])`; CPU float32 tensors outside
         `torch.compile` by one `torch._foreach_norm`."""
         xs = list(xs)
-        if xs and not _is_compiling() and all(
-            type(x) is _TENSOR and x.dtype == torch.float32 and x.device.type == "cpu" for x in xs
-        ):
+        if _cpu_float32(xs):
             norms = torch.stack(torch._foreach_norm(xs))
             inv_sizes = torch.tensor([1.0 / math.sqrt(x.numel() or 1) for x in xs], dtype=torch.float32)
             return norms * inv_sizes
@@ -462,11 +460,14 @@ if TORCH:
         outside `memo_disabled()` (one read of the stacked vector). None
         elsewhere."""
         xs = list(xs)
-        if not xs or _MEMO_OFF or _is_compiling() or not all(
+        return rms_all(xs).tolist() if not _MEMO_OFF and _cpu_float32(xs) else None
+
+    def _cpu_float32(xs):
+        """Whether `xs` is a non-empty list of CPU float32 tensors, outside
+        `torch.compile` (`rms_all`'s one `_foreach_norm`)."""
+        return bool(xs) and not _is_compiling() and all(
             type(x) is _TENSOR and x.dtype == torch.float32 and x.is_cpu for x in xs
-        ):
-            return None
-        return rms_all(xs).tolist()
+        )
     add_in_place = _in_place("add_", add, "add")
     subtract_in_place = _in_place("sub_", subtract, "subtract")
     bitwise_and_in_place = _in_place("bitwise_and_", bitwise_and, "bitwise_and")

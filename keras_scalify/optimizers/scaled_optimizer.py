@@ -150,6 +150,8 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 self._entries.append(("plain", None, v))
                 inner_vars.append(v)
         self._inner_vars = inner_vars
+        # The element counts of the scaled weights, in `_entries` order.
+        self._weight_sizes = [math.prod(sv.data.shape) for kind, sv, _ in self._entries if kind == "weight"]
         self._resolved_state_dtype = resolved
         self._slots = []  # (ghost, stored data, stored scale or None)
         inner = self.inner_optimizer
@@ -331,7 +333,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 finite = S.logical_and(finite, c)
 
         # A skipped step writes nothing but the grad scales and counters.
-        elements = sum(self._sizes(weights))
+        elements = sum(self._weight_sizes)
         run_if(
             finite,
             lambda guard: self._update(weights, inner_grads, guard),
@@ -468,7 +470,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                         scale if sv.master_dtype == "float32" and ghost.constraint is None else None
                         for sv, ghost, scale in weights
                     ],
-                    self._sizes(weights),
+                    self._weight_sizes,
                 )
             # The native update owns what it updates: float32 data is
             # decoded in place in its variable, updated there and
@@ -543,13 +545,6 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                     continue
                 writes += [commit(d, data), commit(s, scale)]
             assign_all(writes)
-
-    def _sizes(self, weights):
-        """The element counts of `weights` (static: computed once)."""
-        sizes = getattr(self, "_weight_sizes", None)
-        if sizes is None or len(sizes) != len(weights):
-            sizes = self._weight_sizes = [math.prod(sv.data.shape) for sv, _, _ in weights]
-        return sizes
 
     def _rounding_keys(self, weights):
         """One int32 stochastic-rounding key per weight (None: round to
