@@ -328,6 +328,7 @@ def assign_all(pairs):
                     torch._foreach_copy_(
                         [t for t, _ in pairs], [torch.as_tensor(x, device=t.device) for t, x in pairs]
                     )
+                S.note_written(pairs)
             return
     for variable, value in pairs:
         variable.assign(value)

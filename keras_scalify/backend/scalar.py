@@ -18,6 +18,7 @@ follows the tensor's, as in Keras. They are plain torch calls, so
 
 import builtins
 import contextlib
+import itertools
 import math
 import threading
 import weakref
@@ -176,6 +177,11 @@ if TORCH:
             narrow = dtype.is_floating_point and dtype.itemsize < 4
             out = torch.full((), value, dtype=torch.float32 if narrow else dtype, device=device)
             out = _SCALARS[key] = out.to(dtype)
+            # Its value key, from the same number on the host (no read of
+            # a device's tensor).
+            code = _KEY_CODES.get(dtype)
+            if code is not None:
+                out.__dict__[_KEY_ATTR] = _value_key(code, torch.full((), value, dtype=dtype).item())
         return out
 
     def float32_scalar(value, like):
@@ -197,20 +203,21 @@ if TORCH:
 
     def host_value(x):
         """The value of scalar `x` as a Python float where the host has it
-        for free: a Python number, or a 0-d CPU tensor without gradient
-        on eager torch (`item()` there reads memory, no device sync).
-        None elsewhere (a GPU tensor, `torch.compile`, a tensor that
-        needs a gradient, inside `memo_disabled()`)."""
+        for free: a Python number, a 0-d CPU tensor without gradient on
+        eager torch (`item()` there reads memory, no device sync), or a
+        0-d tensor on any device whose value the host has kept
+        (`_known_key`: a memo's result, a variable's detached scalar, a
+        cached constant). None elsewhere (another GPU tensor,
+        `torch.compile`, a tensor that needs a gradient, inside
+        `memo_disabled()`)."""
         if type(x) in _NUMBERS:
             return float(x)
-        if (
-            not _MEMO_OFF
-            and type(x) is _TENSOR
-            and x.ndim == 0
-            and x.is_cpu
-            and not x.requires_grad
-            and not _is_compiling()
-        ):
+        if _MEMO_OFF or type(x) is not _TENSOR or x.ndim != 0 or x.requires_grad or _is_compiling():
+            return None
+        key = _known_key(x)
+        if key is not None:
+            return _key_value(key)
+        if x.is_cpu and not _HOST_READS_OFF:
             return x.item()
         return None
 
@@ -446,27 +453,55 @@ if TORCH:
 
     def rms_all(xs):
         """`stack([rms(x) for x in xs])`; CPU float32 tensors outside
-        `torch.compile` by one `torch._foreach_norm`."""
+        `torch.compile` by one `torch._foreach_norm` (on a GPU its
+        reduction order differs from `rms`'s: not bit for bit)."""
         xs = list(xs)
-        if _cpu_float32(xs):
-            norms = torch.stack(torch._foreach_norm(xs))
-            inv_sizes = torch.tensor([1.0 / math.sqrt(x.numel() or 1) for x in xs], dtype=torch.float32)
-            return norms * inv_sizes
+        if _float32_on_one_device(xs) and xs[0].is_cpu:
+            return torch.stack(torch._foreach_norm(xs)) * _inverse_sqrt_sizes(xs)
         return stack([rms(x) for x in xs])
 
-    def rms_all_on_host(xs):
-        """`rms_all(xs)` as Python floats (its float32 values), where the
-        host reads them for free: CPU float32 tensors on eager torch,
-        outside `memo_disabled()` (one read of the stacked vector). None
-        elsewhere."""
-        xs = list(xs)
-        return rms_all(xs).tolist() if not _MEMO_OFF and _cpu_float32(xs) else None
+    _INVERSE_SQRT_SIZES = {}
 
-    def _cpu_float32(xs):
-        """Whether `xs` is a non-empty list of CPU float32 tensors, outside
-        `torch.compile` (`rms_all`'s one `_foreach_norm`)."""
+    def _inverse_sqrt_sizes(xs):
+        """float32 `1/√size` of each of `xs`, on their device (cached, not
+        made per step)."""
+        key = (tuple(x.numel() for x in xs), xs[0].device)
+        out = _INVERSE_SQRT_SIZES.get(key)
+        if out is None:
+            if len(_INVERSE_SQRT_SIZES) > 64:
+                _INVERSE_SQRT_SIZES.clear()
+            sizes = [1.0 / math.sqrt(n or 1) for n in key[0]]
+            out = _INVERSE_SQRT_SIZES[key] = torch.tensor(sizes, dtype=torch.float32, device=key[1])
+        return out
+
+    def note_written(pairs):
+        """After each `(tensor, value)` of `pairs` was copied in place
+        (`backend.optimizer.assign_all`): a 0-d tensor given a value whose
+        key the host keeps (`_known_key`) keeps that key for its new
+        version, so that `detached_variable_value` need not read it (on a
+        GPU, a synchronization per grad scale written per step)."""
+        for t, x in pairs:
+            if type(x) is _TENSOR and x.ndim == 0 and t.ndim == 0 and x.dtype == t.dtype:
+                key = _known_key(x)
+                if key is not None:
+                    t.__dict__[_WRITTEN_KEY_ATTR] = (t._version, key)
+
+    def rms_all_on_host(xs):
+        """`rms_all(xs)` as Python floats (its float32 values): float32
+        tensors on one device on eager torch, outside `memo_disabled()`:
+        one read of the stacked vector (on a GPU, one synchronization,
+        counted by `synchronizing_reads`). None elsewhere."""
+        xs = list(xs)
+        if _MEMO_OFF or not _float32_on_one_device(xs):
+            return None
+        _count_read(xs[0])
+        return rms_all(xs).tolist()
+
+    def _float32_on_one_device(xs):
+        """Whether `xs` is a non-empty list of float32 tensors on one
+        device, outside `torch.compile` (`rms_all`'s one `_foreach_norm`)."""
         return bool(xs) and not _is_compiling() and all(
-            type(x) is _TENSOR and x.dtype == torch.float32 and x.is_cpu for x in xs
+            type(x) is _TENSOR and x.dtype == torch.float32 and x.device == xs[0].device for x in xs
         )
     add_in_place = _in_place("add_", add, "add")
     subtract_in_place = _in_place("sub_", subtract, "subtract")
@@ -712,18 +747,21 @@ if TORCH:
             return variable.value
         return ops.convert_to_tensor(variable)
 
-    def detached_variable_value(variable, cache, slot):
-        """`stop_gradient(variable_value(variable))` of a scalar variable
-        (a weight's scale or grad scale). On eager torch, the detached
-        tensor of a variable that needs a gradient is kept in
-        `cache[slot]` (a dict its caller owns) and returned again while the
-        variable holds the same tensor (it shares the tensor's storage and
-        version counter), with its memo key read once per version of the
-        tensor (`_VERSIONED_KEY_ATTR`; every in-place write bumps the
-        version): a GPT step of `benchmarks/step_time.py` read ~200
-        scales, each a `detach` and an `item()`. Elsewhere, the plain
-        read."""
-        value = variable_value(variable)
+    def detached_variable_value(variable):
+        """`stop_gradient(variable_value(variable))` of a scalar variable (a
+        weight's scale or grad scale): `detached_tensor` of its tensor."""
+        return detached_tensor(variable_value(variable))
+
+    def detached_tensor(value):
+        """`stop_gradient(value)` of a variable's own scalar tensor. On eager
+        torch, for a tensor that needs a gradient (a trainable variable's),
+        the detached alias is kept on the tensor and returned again (it
+        shares the tensor's storage and version counter), with its memo key
+        read once per version of the tensor (`_VERSIONED_KEY_ATTR`; every
+        in-place write bumps the version; on a GPU the read is a
+        synchronization, none where `note_written` recorded the value
+        written): a GPT step of `benchmarks/step_time.py` read ~200 scales,
+        each a `detach` and an `item()`. Elsewhere, the plain read."""
         if (
             type(value) is not _PARAMETER
             or not value.requires_grad
@@ -732,19 +770,41 @@ if TORCH:
             or _is_inference()
         ):
             return stop_gradient(value)
-        hit = cache.get(slot)
-        if hit is not None and hit[0] is value:
-            alias = hit[1]
+        attrs = value.__dict__
+        alias = attrs.get(_ALIAS_ATTR)
+        if alias is None:
+            alias = attrs[_ALIAS_ATTR] = value.detach()
+        else:
             versioned = alias.__dict__.get(_VERSIONED_KEY_ATTR)
             if versioned is not None and versioned[0] == alias._version:
                 return alias
+        written = attrs.get(_WRITTEN_KEY_ATTR)
+        if written is not None and written[0] == alias._version:
+            key = written[1]
         else:
-            alias = value.detach()
-            cache[slot] = (value, alias)
-        version, key = alias._version, _tensor_key(alias)
-        if key is not _MISS:
-            alias.__dict__[_VERSIONED_KEY_ATTR] = (version, key)
+            key = _kept_key(alias)
+        alias.__dict__[_VERSIONED_KEY_ATTR] = (alias._version, key)
         return alias
+
+    def kept(x):
+        """`x`, a 0-d tensor of scale arithmetic computed from data (e.g. a
+        bias's rebalancing `P(max|data|)`), with its value key kept on it
+        (`_kept_key`: read once, on a GPU a synchronization) where the
+        memoized rules it feeds would otherwise find no key (on a GPU, or
+        inside `host_reads_disabled()`), so that they hit as on a CPU.
+        No one may write `x` in place afterwards."""
+        if (
+            type(x) is _TENSOR
+            and x.ndim == 0
+            and not x.requires_grad
+            and not _MEMO_OFF
+            and (not x.is_cpu or _HOST_READS_OFF)
+            and not _is_compiling()
+            and not _is_inference()
+            and _KEY_ATTR not in x.__dict__
+        ):
+            x.__dict__[_KEY_ATTR] = _kept_key(x)
+        return x
 
     def signature(x):
         """A hashable key of what a rule's static analysis reads of tensor
@@ -761,6 +821,10 @@ if TORCH:
     _MISS = object()
     _MEMO_OFF = []  # non-empty inside `memo_disabled()`
 
+    _HOST_READS_OFF = []  # non-empty inside `host_reads_disabled()`
+    _TOKENS = itertools.count()
+    _SYNCHRONIZING_READS = [0]
+
     @contextlib.contextmanager
     def memo_disabled():
         """A scope in which `memoize_scalars` functions compute every call
@@ -772,14 +836,45 @@ if TORCH:
         finally:
             _MEMO_OFF.pop()
 
+    @contextlib.contextmanager
+    def host_reads_disabled():
+        """A scope in which CPU tensors are read as a GPU's: no free read
+        (`host_value` of a tensor whose value the host has not kept is
+        None, a memo takes no key from one), and the reads the host does
+        to keep a value count in `synchronizing_reads`. Runs a GPU's code
+        paths on a CPU (tests)."""
+        _HOST_READS_OFF.append(True)
+        try:
+            yield
+        finally:
+            _HOST_READS_OFF.pop()
+
+    def _known_key(x):
+        """The value key the host keeps for tensor `x` (a memo's result, a
+        variable's detached scalar at its current version, a cached
+        constant), or None (none kept, or an identity token)."""
+        attrs = x.__dict__
+        key = attrs.get(_KEY_ATTR)
+        if key is None:
+            versioned = attrs.get(_VERSIONED_KEY_ATTR)
+            if versioned is None or versioned[0] != x._version:
+                return None
+            key = versioned[1]
+        return None if key[0] == "t" else key
+
+    def _key_value(key):
+        """The Python value of a value key (`_value_key`)."""
+        return math.copysign(key[1], key[2]) if len(key) == 3 else key[1]
+
     def _memo_key(x, tensors):
         """A hashable key of `x`'s value (0-d CPU tensors of float32, int32
         or bool without a gradient, Python scalars, None, strings, and
         lists or tuples of those; a tensor's value read with `item()`,
-        which on a CPU is a memory read, or the key a memo stored on the
-        tensor it returned, `_keep`), or `_MISS`. Each tensor found is
-        appended to `tensors`. NaN has no key (it equals nothing); -0.0 has
-        its own."""
+        which on a CPU is a memory read, or, on any device, the key kept on
+        the tensor: a memo's result (`_keep`), a variable's detached scalar
+        at its version (`detached_variable_value`), a cached constant), or
+        `_MISS`. Each tensor found is appended to `tensors`. NaN has no key
+        (it equals nothing); -0.0 has its own."""
         t = type(x)
         if t is _TENSOR or t is _PARAMETER:
             attrs = x.__dict__
@@ -809,12 +904,43 @@ if TORCH:
         return _MISS
 
     def _tensor_key(x):
-        """`_memo_key` of a tensor, read from it (`_MISS` for other than a
-        0-d CPU float32 / int32 / bool tensor without a gradient)."""
-        code = _KEY_CODES.get(x.dtype)
-        if code is None or x.dim() != 0 or not x.is_cpu or x.requires_grad:
+        """`_memo_key` of a tensor, read from it for free (`_MISS` for
+        other than a 0-d CPU float32 / int32 / bool tensor without a
+        gradient, and inside `host_reads_disabled()`)."""
+        if not x.is_cpu or _HOST_READS_OFF:
             return _MISS
+        return _read_key(x)
+
+    def _read_key(x):
+        """The value key of a 0-d float32 / int32 / bool tensor `x` without
+        a gradient, read with `item()` on any device (on a GPU a device
+        synchronization, counted by `synchronizing_reads`); `_MISS` for
+        others and for NaN."""
+        code = _KEY_CODES.get(x.dtype)
+        if code is None or x.dim() != 0 or x.requires_grad:
+            return _MISS
+        _count_read(x)
         return _value_key(code, x.item())
+
+    def _kept_key(x):
+        """The key of a tensor whose value never changes under it (a memo's
+        result, a variable's detached scalar at one version), read once
+        (`_read_key`: on a GPU one synchronization, after which memos hit
+        on it and `host_value` knows it as on a CPU); where it cannot be
+        read, a key never given before (`_TOKENS`: memos still hit on it
+        by identity)."""
+        key = _read_key(x)
+        return ("t", next(_TOKENS)) if key is _MISS else key
+
+    def _count_read(x):
+        if not x.is_cpu or _HOST_READS_OFF:
+            _SYNCHRONIZING_READS[0] += 1
+
+    def synchronizing_reads():
+        """How many values the host has read from tensors where a read is
+        not free (a GPU's, or any inside `host_reads_disabled()`): each a
+        device synchronization on a GPU."""
+        return _SYNCHRONIZING_READS[0]
 
     def _value_key(code, v):
         if v != v:
@@ -829,6 +955,12 @@ if TORCH:
     # The attribute under which a variable's detached scalar keeps its key
     # with the version it holds for (`detached_variable_value`).
     _VERSIONED_KEY_ATTR = "_ksc_versioned_memo_key"
+    # The attribute under which a variable's tensor keeps the key of the
+    # value `assign_all` wrote into it, with the version it holds for.
+    _WRITTEN_KEY_ATTR = "_ksc_written_memo_key"
+    # The attribute under which a variable's tensor keeps its detached
+    # alias (`detached_tensor`).
+    _ALIAS_ATTR = "_ksc_detached_alias"
 
     # The tensors some memo keeps (never written in place).
     _MEMO_TENSORS = weakref.WeakSet()
@@ -853,9 +985,7 @@ if TORCH:
         with its key (`_memo_key` reads no value from it again)."""
         if type(out) is _TENSOR:
             _MEMO_TENSORS.add(out)
-            key = _tensor_key(out)
-            if key is not _MISS:
-                out.__dict__[_KEY_ATTR] = key
+            out.__dict__[_KEY_ATTR] = _kept_key(out)
         elif type(out) is list or type(out) is tuple:
             for e in out:
                 _keep(e)
@@ -1038,9 +1168,17 @@ else:
         """None: the host has no tensor values here (see the torch one)."""
         return None
 
-    def detached_variable_value(variable, cache, slot):
+    def detached_variable_value(variable):
         """`stop_gradient` of the variable's value (see the torch one)."""
         return stop_gradient(variable_value(variable))
+
+    def detached_tensor(value):
+        """`stop_gradient(value)` (see the torch one)."""
+        return stop_gradient(value)
+
+    def kept(x):
+        """`x` (nothing is kept on the host here)."""
+        return x
 
     bitwise_and_in_place, right_shift_in_place = bitwise_and, right_shift
     bitwise_xor_in_place = bitwise_xor
@@ -1121,6 +1259,17 @@ else:
     def memo_disabled():
         """A scope without memoization: there is none here."""
         return contextlib.nullcontext()
+
+    def host_reads_disabled():
+        """A scope without host reads: there are none here."""
+        return contextlib.nullcontext()
+
+    def synchronizing_reads():
+        """No value is read on the host here: 0."""
+        return 0
+
+    def note_written(pairs):
+        """Nothing is kept on the host here."""
 
     def memoize_scalars(fn):
         """`fn` itself: JAX and TensorFlow trace the step, so its scale

@@ -100,7 +100,6 @@ class ScaledVariable:
         data, scale = split_value(value)
         self.name = name
         self.master_dtype = master_dtype
-        self._reads = {}  # (`read_scale`)
         self.state_dtype = standardize_dtype(state_dtype)
         self.data = layer.add_weight(
             name=name,
@@ -170,7 +169,8 @@ class ScaledVariable:
         gs = effective_grad_scale(self.read_stored_grad_scale(), scale)
         # (Of the data without its gradient: no autograd nodes.)
         m = S.max(S.abs(pow2.as_dtype(S.stop_gradient(data), "float32")))
-        inv_k, _, scale = _rebalanced(pow2.pow2_round_down(m), scale)
+        # (`kept`: on a GPU, `P(m)` read once, so the memo hits.)
+        inv_k, _, scale = _rebalanced(S.kept(pow2.pow2_round_down(m)), scale)
         return ScaledTensor(data, scale, gs), inv_k
 
     @property
@@ -185,12 +185,12 @@ class ScaledVariable:
     def read_scale(self):
         """The scale's value, without gradient (the same tensor while it
         is unchanged: `backend.scalar.detached_variable_value`)."""
-        return S.detached_variable_value(self.scale, self._reads, "scale")
+        return S.detached_variable_value(self.scale)
 
     def read_stored_grad_scale(self):
         """The stored grad scale's value, without gradient (as
         `read_scale`)."""
-        return S.detached_variable_value(self.grad_scale, self._reads, "grad_scale")
+        return S.detached_variable_value(self.grad_scale)
 
     @property
     def value(self):

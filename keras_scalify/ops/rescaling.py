@@ -279,7 +279,8 @@ def _delayed_scalars(x, state, statistic):
     x = promote(x, None, "x")
     _, ga = scalars(x)
     state = pow2.as_dtype(state, "float32")
-    return x, state, ga, _delayed_grad_scale(stop(state), ga)
+    # (The state variable's detached tensor: its key kept per version.)
+    return x, state, ga, _delayed_grad_scale(S.detached_tensor(state), ga)
 
 
 @S.memoize_scalars

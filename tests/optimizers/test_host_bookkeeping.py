@@ -1,8 +1,13 @@
 """Eager torch on a CPU does the optimizer's scalar bookkeeping on the host
 (`ScaledOptimizer._calibrate_on_host`, the rescaling test, `scale_loss`,
 scale reads kept while unchanged): bit for bit what the tensor ops give,
-which `backend.scalar.memo_disabled()` runs instead. Elsewhere both runs
-take the tensor ops."""
+which `backend.scalar.memo_disabled()` runs instead. So does a GPU's path,
+where only values the host keeps are known (memo results, variables'
+scalars per version, values written by `assign_all`), run on a CPU inside
+`backend.scalar.host_reads_disabled()`. Elsewhere all runs take the tensor
+ops."""
+
+import contextlib
 
 import keras
 import numpy as np
@@ -34,7 +39,14 @@ def _gradients(variables, step, rng):
     return out
 
 
-def _run(policy, host):
+_MODES = {
+    "host": contextlib.nullcontext,
+    "host reads off": S.host_reads_disabled,
+    "tensor ops": S.memo_disabled,
+}
+
+
+def _run(policy, mode):
     model = scaled_mlp(policy)
     opt = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2), rescale_every=3)
     variables = model.trainable_variables
@@ -44,13 +56,9 @@ def _run(policy, host):
     for step in range(1, 9):
         grads = _gradients(variables, step, rng)
         loss = keras.ops.convert_to_tensor(np.float32([1.5, np.inf][step == 6]))
-        if host:
+        with _MODES[mode]():
             opt.apply(grads, variables)
             loss = opt.scale_loss(loss)
-        else:
-            with S.memo_disabled():
-                opt.apply(grads, variables)
-                loss = opt.scale_loss(loss)
         states += variable_values(model.weights + opt.variables) + [keras.ops.convert_to_numpy(loss)]
     assert int(keras.ops.convert_to_numpy(opt.skipped_steps)) == 2  # steps 3 and 4
     return states
@@ -61,8 +69,9 @@ def _run(policy, host):
     ["scaled_float32", ksc.ScaledDTypePolicy(compute_dtype="float32", master_dtype="float16")],
     ids=["float32", "float16 master"],
 )
-def test_host_bookkeeping_is_the_tensor_ops_bit_for_bit(policy):
-    host, tensors = _run(policy, True), _run(policy, False)
+@pytest.mark.parametrize("mode", ["host", "host reads off"])
+def test_host_bookkeeping_is_the_tensor_ops_bit_for_bit(policy, mode):
+    host, tensors = _run(policy, mode), _run(policy, "tensor ops")
     assert len(host) == len(tensors)
     for a, b in zip(host, tensors):
         np.testing.assert_array_equal(a, b)
@@ -92,3 +101,60 @@ def test_scale_reads_follow_writes():
         assert got == want
         got, want = both(sv.read_stored_grad_scale(), sv.read_scale())
         assert got == want == 1.0 / value
+
+
+def _gpt_block(seed=2):
+    """A pre-LayerNorm transformer block with biases, a GELU and a causal
+    attention, scalified (every rule a GPT step runs)."""
+    keras.utils.set_random_seed(seed)
+    x = inputs = keras.Input((8, 16))
+    h = keras.layers.LayerNormalization()(x)
+    x = x + keras.layers.MultiHeadAttention(2, 8)(h, h, use_causal_mask=True)
+    h = keras.layers.LayerNormalization()(x)
+    h = keras.layers.Dense(32, activation="gelu")(h)
+    x = x + keras.layers.Dense(16)(h)
+    return ksc.scalify(keras.Model(inputs, keras.layers.Dense(4)(x)), dtype="scaled_float32")
+
+
+def test_training_with_host_reads_off_is_the_tensor_ops_bit_for_bit():
+    """Six `train_on_batch` steps of a transformer block, rescaling every 2
+    steps, on a GPU's path (`host_reads_disabled()`): every weight, scale,
+    slot and loss as the tensor ops give them. (On a CPU with host reads
+    the fused CPU nodes, `backend.fused`, round differently.)"""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 8, 16)).astype("float32")
+    y = rng.standard_normal((4, 8, 4)).astype("float32")
+    runs = []
+    for m in ("host reads off", "tensor ops"):
+        model = _gpt_block()
+        model.compile(optimizer=ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2), rescale_every=2), loss="mse")
+        with _MODES[m]():
+            losses = [model.train_on_batch(x, y) for _ in range(6)]
+        runs.append(variable_values(model.weights + model.optimizer.variables) + [np.float32(losses)])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="values are kept on the host on eager torch only")
+def test_written_scales_are_known_without_a_read():
+    """Inside `host_reads_disabled()` (a GPU's reads): a scale written by
+    `assign_all` from a value the host knows is known without a read; one
+    written otherwise is read once (one synchronizing read), then kept."""
+    from keras_scalify.backend.optimizer import assign_all
+
+    sv = scaled_mlp("scaled_float32").layers[1].kernel
+    like = S.variable_value(sv.grad_scale)
+    with S.host_reads_disabled():
+        assign_all([(sv.grad_scale, S.float32_scalar(0.5, like))])
+        reads = S.synchronizing_reads()
+        assert S.host_value(sv.read_stored_grad_scale()) == 0.5
+        assert S.synchronizing_reads() == reads
+        sv.grad_scale.assign(np.float32(0.25))  # (Keras's own write: not recorded)
+        assert S.host_value(sv.read_stored_grad_scale()) == 0.25
+        assert S.host_value(sv.read_stored_grad_scale()) == 0.25
+        assert S.synchronizing_reads() == reads + 1
+        # A tensor the host has not kept is not read.
+        assert S.host_value(keras.ops.convert_to_tensor(np.float32(2.0))) is None
+    # (Outside the scope, a CPU tensor is read for free; a GPU's is not.)
+    two = keras.ops.convert_to_tensor(np.float32(2.0))
+    assert S.host_value(two) == (2.0 if two.is_cpu else None)
