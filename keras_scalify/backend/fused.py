@@ -380,7 +380,7 @@ if TORCH:
         then multiplied by `k` in place (a host-known normal power of two;
         else None). Measured on the GPT's [16, 64, 128] activations, one
         CPU thread: the composition runs 4 nodes and ~9 passes each way."""
-        if not (applies(a, gamma, beta) and a.device.type == "cpu"):
+        if not (applies(a, gamma, beta) and S.on_host(a)):
             return None
         n = gamma.ndim
         if tuple(beta.shape) != tuple(gamma.shape) or tuple(a.shape[a.ndim - n:]) != tuple(gamma.shape):
@@ -434,7 +434,7 @@ if TORCH:
         host. Measured on the GPT's [16, 4, 64, 64] causal scores, one CPU
         thread: 0.77 ms forward and backward, against 1.7 for the
         composition's passes (5 each way)."""
-        if not (applies(a, fill) and a.device.type == "cpu" and mask.dtype == torch.bool):
+        if not (applies(a, fill) and S.on_host(a) and mask.dtype == torch.bool):
             return None
         if fill.ndim != 0 or torch.broadcast_shapes(mask.shape, a.shape) != a.shape:
             return None

@@ -187,8 +187,14 @@ if TORCH:
     def float32_scalar(value, like):
         """Python number `value` as a float32 0-d tensor on the device of
         tensor `like` (cached on eager torch: converting it per call costs
-        ~10 µs in Keras's `convert_to_tensor`)."""
-        if isinstance(like, torch.Tensor) and type(value) in _NUMBERS and type(value) is not bool:
+        ~10 µs in Keras's `convert_to_tensor`); inside a Keras device scope
+        (the meta device of a symbolic call) converted there."""
+        if (
+            isinstance(like, torch.Tensor)
+            and type(value) in _NUMBERS
+            and type(value) is not bool
+            and _global_state.get_global_attribute("torch_device") is None
+        ):
             out = _cached_scalar(float(value), torch.float32, like.device)
             if out is not None:
                 return out
@@ -935,6 +941,12 @@ if TORCH:
     def _count_read(x):
         if not x.is_cpu or _HOST_READS_OFF:
             _SYNCHRONIZING_READS[0] += 1
+
+    def on_host(x):
+        """Whether tensor `x` is on the CPU, outside `host_reads_disabled()`
+        (which runs a GPU's paths on a CPU): the CPU-only fused nodes of
+        `backend.fused` take it."""
+        return x.device.type == "cpu" and not _HOST_READS_OFF
 
     def synchronizing_reads():
         """How many values the host has read from tensors where a read is

@@ -72,10 +72,11 @@ class ScaledTensor(
         if _is_tensor_like(data) or isinstance(data, (float, int)):
             if not isinstance(data, (float, int)) or isinstance(data, bool):
                 _check_float("data", data)
-            scale = _as_scale_tensor("scale", scale)
+            like = data if _is_tensor_like(data) else None
+            scale = _as_scale_tensor("scale", scale, like)
             if grad_scale is None:
-                grad_scale = ops.ones((), "float32")
-            grad_scale = _as_scale_tensor("grad_scale", grad_scale)
+                grad_scale = 1.0
+            grad_scale = _as_scale_tensor("grad_scale", grad_scale, like)
         return super().__new__(cls, data, scale, grad_scale)
 
     # --- array-like properties --------------------------------------------
@@ -216,14 +217,18 @@ def _check_float(name, x):
         )
 
 
-def _as_scale_tensor(name, s):
+def _as_scale_tensor(name, s, like=None):
     if S.has_dtype(s, "float32") and len(s.shape) == 0:
         return s  # what the rules pass: no conversion, nothing to check
     if isinstance(s, bool):
         raise TypeError(f"`{name}` must be a float, got a bool.")
     if type(s) in (float, int):
         # Straight to float32 (the value a float64 array would be cast to),
-        # without NumPy: `torch.compile` traces this.
+        # without NumPy: `torch.compile` traces this. On eager torch a
+        # cached constant on the data's device (`like`), whose value the
+        # host keeps (`backend.scalar.float32_scalar`).
+        if like is not None:
+            return S.float32_scalar(float(s), like)
         s = ops.convert_to_tensor(float(s), "float32")
     elif isinstance(s, (float, int, np.ndarray, np.generic)):
         s = np.asarray(s)

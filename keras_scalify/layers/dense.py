@@ -9,6 +9,7 @@ from keras_scalify.backend import fused
 from keras_scalify.backend import scalar as S
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import logical_not
 from keras_scalify.ops.linalg import contraction_plus
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import gate_kind
@@ -32,7 +33,7 @@ def _votes(layer, calibrated):
     if calibrated is None:
         return None
     if not getattr(layer, "_input_votes_when_calibrated", True):
-        return (S.logical_not(calibrated), calibrated)
+        return (logical_not(calibrated), calibrated)
     return (None, calibrated)
 
 

@@ -169,8 +169,9 @@ class ScaledVariable:
         gs = effective_grad_scale(self.read_stored_grad_scale(), scale)
         # (Of the data without its gradient: no autograd nodes.)
         m = S.max(S.abs(pow2.as_dtype(S.stop_gradient(data), "float32")))
-        # (`kept`: on a GPU, `P(m)` read once, so the memo hits.)
-        inv_k, _, scale = _rebalanced(S.kept(pow2.pow2_round_down(m)), scale)
+        # (`kept`: on a GPU `m` is read once, and the memos below hit as on
+        # a CPU.)
+        inv_k, _, scale = _rebalanced(pow2.pow2_round_down(S.kept(m)), scale)
         return ScaledTensor(data, scale, gs), inv_k
 
     @property

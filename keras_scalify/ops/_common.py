@@ -91,6 +91,24 @@ def safe_div(a, b):
 
 
 @S.memoize_scalars
+def times(*xs):
+    """The product of scale scalars, memoized: a rule's scale arithmetic
+    outside its own memoized function (on eager torch a hit runs no op,
+    and on a GPU the product's value stays known on the host, so the
+    memoized rules downstream hit as on a CPU)."""
+    out = xs[0]
+    for x in xs[1:]:
+        out = out * x
+    return out
+
+
+@S.memoize_scalars
+def logical_not(x):
+    """`not x` of a bool scalar (memoized, as `times`)."""
+    return S.logical_not(x)
+
+
+@S.memoize_scalars
 def grad_factor(s_out, gs_out, s_in, gs_in):
     """The cotangent factor `c = (s_out * gs_out) / (s_in * gs_in)`."""
     return safe_div(s_out * gs_out, s_in * gs_in)

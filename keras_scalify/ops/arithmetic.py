@@ -26,6 +26,7 @@ from keras_scalify.ops._common import safe_div
 from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops._common import times
 from keras_scalify.ops._common import votes
 
 
@@ -113,7 +114,7 @@ def multiply(x1, x2, *, calibrated=None):
         return ops.multiply(x1, x2)
     a, b = ab
     (sa, ga), (sb, gb) = scalars(a), scalars(b)
-    s = sa * sb
+    s = times(sa, sb)
     if is_static_scalar(x2) or is_static_scalar(x1):
         x, k = (a, x2) if is_static_scalar(x2) else (b, x1)
         sx, gx = scalars(x)

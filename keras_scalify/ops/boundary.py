@@ -8,12 +8,14 @@ from keras import ops
 from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import is_concrete
+from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import rescale
 from keras_scalify.ops._common import scale_grad
+from keras_scalify.ops._common import times
 from keras_scalify.ops.rescaling import overflow_safe_rms
 from keras_scalify.ops.rescaling import rescale_by_statistic
 
@@ -114,10 +116,10 @@ def as_scaled(x, scale=None, grad_scale=None):
     out = ScaledTensor(x, scale, grad_scale)
     _check_scale_value("scale", out.scale, allow_zero=True)
     _check_scale_value("grad_scale", out.grad_scale, allow_zero=False)
-    s = ops.stop_gradient(out.scale)
-    gs = ops.stop_gradient(out.grad_scale)
+    s = S.stop_gradient(out.scale)
+    gs = S.stop_gradient(out.grad_scale)
     # d loss / d x = s * gs * cotangent(data)
-    return ScaledTensor(scale_grad(out.data, s * gs), out.scale, out.grad_scale)
+    return ScaledTensor(scale_grad(out.data, times(s, gs)), out.scale, out.grad_scale)
 
 
 def encode(x, grad_scale=None):
@@ -130,7 +132,7 @@ def encode(x, grad_scale=None):
     state); the cotangent of `x` comes back in true units.
     """
     x = ops.convert_to_tensor(x)
-    one = ops.ones((), "float32")
+    one = S.float32_scalar(1.0, x)
     gs = one if grad_scale is None else grad_scale
     x = ScaledTensor(scale_grad(x, gs), one, gs)
     return rescale_by_statistic(x, overflow_safe_rms(x.data))

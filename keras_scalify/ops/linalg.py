@@ -41,6 +41,7 @@ from keras_scalify.ops._common import result_dtype
 from keras_scalify.ops._common import static_count
 from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import static_pow2_sqrt
+from keras_scalify.ops._common import times
 from keras_scalify.ops._gemm import scaled_gemms
 from keras_scalify.ops.shape import cast as _cast
 
@@ -86,8 +87,14 @@ def operand_grad_scale(subscripts, operands, i):
     xs = list(operands)
     k = _parse_einsum(subscripts, [x.shape for x in xs])
     out_shape = _einsum_shape(subscripts, xs)
-    sc = [scalars(x) for x in xs]
-    preds, ns = _predictions(_sizes(xs), sc, k, static_count(out_shape))
+    return _operand_grad_scale(tuple(scalars(x) for x in xs), i, _sizes(xs), k, static_count(out_shape))
+
+
+@memoize_scalars
+def _operand_grad_scale(sc, i, sizes, k, size_out):
+    """`operand_grad_scale` from the operands' `(scale, grad scale)` pairs
+    `sc` and the static sizes."""
+    preds, ns = _predictions(sizes, sc, k, size_out)
     others = pow2_mean(*[p for j, p in enumerate(preds) if j != i])
     return others * _others_scale(sc, i) * static_pow2_sqrt(ns[i])
 
@@ -252,7 +259,7 @@ def contraction_plus(
             scale, g, *sc_c, None if c_calibrated is None else [None, c_calibrated]
         )
         if c_factor is not None:
-            fb = S.multiply(fb, c_factor)
+            fb = times(fb, c_factor)
         u_scale = None if gate is None else gate_epilogue(s, gate)
         out = scaled_gemms_plus(
             args["gemms"], a.data, b.data, c.data, factors,

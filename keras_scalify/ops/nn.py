@@ -17,6 +17,7 @@ from keras_scalify.ops._common import promote
 from keras_scalify.ops._common import same_dtype
 from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import static_dim
+from keras_scalify.ops._common import times
 from keras_scalify.core import pow2
 from keras_scalify.ops.linalg import operand_grad_scale
 from keras_scalify.ops.math import _pointwise_factors
@@ -162,7 +163,7 @@ def affine_layer_normalization(
         sa, ga = scalars(x)
         inv_q, eps_d, g_n = _normalize_scalars(sa, ga, float(epsilon))
         (sg, gg), (sb, gb) = scalars(gamma), scalars(beta)
-        s_y = inv_q * sg
+        s_y = times(inv_q, sg)
         g_y, ca, cgam = _product_grad_scales(inv_q, g_n, sg, gg, s_y, [None, cg])
         s, g, fa, ba, fb, bb = _sum_scales(s_y, g_y, sb, gb, [None, cb])
         axes = [ax % len(x.shape) for ax in _axes(axis)]
@@ -253,7 +254,7 @@ def _fused_masked_softmax(scores, mask, fill, value, combine_equation):
     g = g_out
     if value is not None:
         g, factor = _probs_grad_scale(ScaledTensor(scores.data, s_out, g_out), value, combine_equation)
-        back = back * factor
+        back = times(back, factor)
     data = fused.masked_softmax(scores.data, mask, fill.data, (sa, inv_out, back))
     return None if data is None else ScaledTensor(data, s_out, g)
 

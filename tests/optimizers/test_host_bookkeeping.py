@@ -104,23 +104,27 @@ def test_scale_reads_follow_writes():
 
 
 def _gpt_block(seed=2):
-    """A pre-LayerNorm transformer block with biases, a GELU and a causal
-    attention, scalified (every rule a GPT step runs)."""
+    """A pre-LayerNorm transformer block with Dense biases, a GELU and a
+    causal attention, scalified (every rule a GPT step runs)."""
     keras.utils.set_random_seed(seed)
     x = inputs = keras.Input((8, 16))
     h = keras.layers.LayerNormalization()(x)
-    x = x + keras.layers.MultiHeadAttention(2, 8)(h, h, use_causal_mask=True)
+    # (No attention biases: the key bias gets no gradient but rounding
+    # noise, which Adam blows up to full steps.)
+    x = x + keras.layers.MultiHeadAttention(2, 8, use_bias=False)(h, h, use_causal_mask=True)
     h = keras.layers.LayerNormalization()(x)
     h = keras.layers.Dense(32, activation="gelu")(h)
     x = x + keras.layers.Dense(16)(h)
     return ksc.scalify(keras.Model(inputs, keras.layers.Dense(4)(x)), dtype="scaled_float32")
 
 
-def test_training_with_host_reads_off_is_the_tensor_ops_bit_for_bit():
+def test_training_with_host_reads_off_is_the_tensor_ops():
     """Six `train_on_batch` steps of a transformer block, rescaling every 2
     steps, on a GPU's path (`host_reads_disabled()`): every weight, scale,
-    slot and loss as the tensor ops give them. (On a CPU with host reads
-    the fused CPU nodes, `backend.fused`, round differently.)"""
+    slot and loss as the tensor ops give them, to float32 rounding (a
+    stale kept value would be off by a power of two). Where the host knows
+    a scale, a GELU takes torch's kernel at `a·s` instead of the erfc
+    composition (`backend.fused`), which rounds differently."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 8, 16)).astype("float32")
     y = rng.standard_normal((4, 8, 4)).astype("float32")
@@ -132,7 +136,7 @@ def test_training_with_host_reads_off_is_the_tensor_ops_bit_for_bit():
             losses = [model.train_on_batch(x, y) for _ in range(6)]
         runs.append(variable_values(model.weights + model.optimizer.variables) + [np.float32(losses)])
     for a, b in zip(*runs):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="values are kept on the host on eager torch only")
@@ -158,3 +162,46 @@ def test_written_scales_are_known_without_a_read():
     # (Outside the scope, a CPU tensor is read for free; a GPU's is not.)
     two = keras.ops.convert_to_tensor(np.float32(2.0))
     assert S.host_value(two) == (2.0 if two.is_cpu else None)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="memoized scale arithmetic runs on eager torch only")
+def test_scale_arithmetic_hits_its_memos_with_host_reads_off():
+    """On a GPU's path (`host_reads_disabled()`) a steady training step of a
+    transformer block runs its scale arithmetic from memos, as on a CPU:
+    few 0-d tensor ops (each a kernel launch on a GPU) against the tensor
+    ops' count, and few synchronizing reads (the biases' `max|data|`, the
+    delayed rescales' states, the gradients' statistics, and the results
+    of memos that miss, read once each)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.scalar_ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.scalar_ops += type(out) is torch.Tensor and out.ndim == 0
+            return out
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 8, 16)).astype("float32")
+    y = rng.standard_normal((4, 8, 4)).astype("float32")
+    counts = {}
+    for mode in ("host reads off", "tensor ops"):
+        model = _gpt_block()
+        model.compile(optimizer=ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+        with _MODES[mode]():
+            for _ in range(4):
+                model.train_on_batch(x, y)
+            reads = S.synchronizing_reads()
+            with Count() as count:
+                model.train_on_batch(x, y)
+            counts[mode] = (count.scalar_ops, S.synchronizing_reads() - reads)
+    (kept_ops, kept_reads), (tensor_ops, _) = counts["host reads off"], counts["tensor ops"]
+    # (Measured: 516 against 2029, and 64 reads: this small block's grad
+    # scales still move from step to step, and a memo that misses reads
+    # its result once.)
+    assert kept_ops < 0.4 * tensor_ops, counts
+    assert 0 < kept_reads <= 96, counts
