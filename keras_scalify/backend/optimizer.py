@@ -183,9 +183,10 @@ def scale_folds(optimizer, scales, sizes):
     the update once more).
 
     Args:
-        scales: per candidate weight its pow2 scale (a 0-d CPU tensor or
-            Parameter), or None for a weight that is not a candidate (not
-            float32 data, a constraint).
+        scales: per candidate weight its pow2 scale (a 0-d tensor, folded
+            where the host knows its value: `backend.scalar.host_value`),
+            or None for a weight that is not a candidate (not float32
+            data, a constraint).
         sizes: their element counts.
     """
     out = [None] * len(scales)
@@ -197,9 +198,10 @@ def scale_folds(optimizer, scales, sizes):
         return out
     groups = {}
     for i, scale in enumerate(scales):
-        if scale is None or scale.device.type != "cpu":
+        # (Known on the host: a CPU read, or a value kept on any device.)
+        value = None if scale is None else S.host_value(scale)
+        if value is None:
             continue
-        value = float(scale)  # (a CPU read: no device sync)
         # A normal pow2 whose reciprocal moves the learning rate by at most
         # 2**FOLD_MAX_EXPONENT.
         mantissa, exponent = math.frexp(value)

@@ -187,17 +187,19 @@ if TORCH:
     def float32_scalar(value, like):
         """Python number `value` as a float32 0-d tensor on the device of
         tensor `like` (cached on eager torch: converting it per call costs
-        ~10 µs in Keras's `convert_to_tensor`); inside a Keras device scope
-        (the meta device of a symbolic call) converted there."""
+        ~10 µs in Keras's `convert_to_tensor`); inside a symbolic call
+        (Keras's meta device scope) converted there."""
         if (
             isinstance(like, torch.Tensor)
             and type(value) in _NUMBERS
             and type(value) is not bool
-            and _global_state.get_global_attribute("torch_device") is None
+            and "meta" not in str(_global_state.get_global_attribute("torch_device"))
         ):
             out = _cached_scalar(float(value), torch.float32, like.device)
             if out is not None:
                 return out
+        if isinstance(value, (int, float)):  # (straight to float32, whatever floatx)
+            return ops.convert_to_tensor(float(value), "float32")
         return ops.cast(ops.convert_to_tensor(value), "float32")
 
     def full_scalar(value, like):
@@ -432,7 +434,7 @@ if TORCH:
 
     def multiply_all_in_place(xs, factors):
         """`[multiply_in_place(x, f) ...]` over the pairs of `xs` and scalar
-        `factors`, the float32 CPU tensors whose factors the host reads
+        `factors`, the float32 tensors whose factors the host knows
         (`host_value`) in one `torch._foreach_mul_` (an optimizer step
         decodes and re-encodes every weight: one Python-level op per
         weight each way); a factor of exactly 1 is skipped (a norm's
@@ -440,7 +442,7 @@ if TORCH:
         out = list(xs)
         batch, values = [], []
         for i, (x, f) in enumerate(zip(xs, factors)):
-            v = host_value(f) if _writable(x) and x.dtype == torch.float32 and x.is_cpu else None
+            v = host_value(f) if _writable(x) and x.dtype == torch.float32 else None
             if v is None:
                 out[i] = multiply_in_place(x, f)
             elif v != 1.0:  # (a factor of 1 writes nothing)
@@ -490,7 +492,7 @@ if TORCH:
             if type(x) is _TENSOR and x.ndim == 0 and t.ndim == 0 and x.dtype == t.dtype:
                 key = _known_key(x)
                 if key is not None:
-                    t.__dict__[_WRITTEN_KEY_ATTR] = (t._version, key)
+                    t.__dict__[_WRITTEN_KEY_ATTR] = (t._version, t.data_ptr(), key)
 
     def rms_all_on_host(xs):
         """`rms_all(xs)` as Python floats (its float32 values): float32
@@ -778,15 +780,17 @@ if TORCH:
             return stop_gradient(value)
         attrs = value.__dict__
         alias = attrs.get(_ALIAS_ATTR)
-        if alias is None:
+        # (An alias must share the tensor's storage and version counter:
+        # not after `param.data = ...`, nor one restored by unpickling.)
+        if alias is None or alias.data_ptr() != value.data_ptr() or alias._version != value._version:
             alias = attrs[_ALIAS_ATTR] = value.detach()
         else:
             versioned = alias.__dict__.get(_VERSIONED_KEY_ATTR)
             if versioned is not None and versioned[0] == alias._version:
                 return alias
         written = attrs.get(_WRITTEN_KEY_ATTR)
-        if written is not None and written[0] == alias._version:
-            key = written[1]
+        if written is not None and written[:2] == (alias._version, value.data_ptr()):
+            key = written[2]
         else:
             key = _kept_key(alias)
         alias.__dict__[_VERSIONED_KEY_ATTR] = (alias._version, key)
@@ -805,6 +809,7 @@ if TORCH:
             and not x.requires_grad
             and not _MEMO_OFF
             and (not x.is_cpu or _HOST_READS_OFF)
+            and not x.is_meta
             and not _is_compiling()
             and not _is_inference()
             and _KEY_ATTR not in x.__dict__
@@ -921,9 +926,10 @@ if TORCH:
         """The value key of a 0-d float32 / int32 / bool tensor `x` without
         a gradient, read with `item()` on any device (on a GPU a device
         synchronization, counted by `synchronizing_reads`); `_MISS` for
-        others and for NaN."""
+        others, for NaN and on the meta device (a symbolic call's, no
+        values)."""
         code = _KEY_CODES.get(x.dtype)
-        if code is None or x.dim() != 0 or x.requires_grad:
+        if code is None or x.dim() != 0 or x.requires_grad or x.is_meta:
             return _MISS
         _count_read(x)
         return _value_key(code, x.item())
@@ -968,7 +974,8 @@ if TORCH:
     # with the version it holds for (`detached_variable_value`).
     _VERSIONED_KEY_ATTR = "_ksc_versioned_memo_key"
     # The attribute under which a variable's tensor keeps the key of the
-    # value `assign_all` wrote into it, with the version it holds for.
+    # value `assign_all` wrote into it, with the version and storage it
+    # holds for.
     _WRITTEN_KEY_ATTR = "_ksc_written_memo_key"
     # The attribute under which a variable's tensor keeps its detached
     # alias (`detached_tensor`).
@@ -997,7 +1004,8 @@ if TORCH:
         with its key (`_memo_key` reads no value from it again)."""
         if type(out) is _TENSOR:
             _MEMO_TENSORS.add(out)
-            out.__dict__[_KEY_ATTR] = _kept_key(out)
+            if _KEY_ATTR not in out.__dict__:  # (a cached constant has its own)
+                out.__dict__[_KEY_ATTR] = _kept_key(out)
         elif type(out) is list or type(out) is tuple:
             for e in out:
                 _keep(e)
@@ -1149,6 +1157,8 @@ else:
 
     def float32_scalar(value, like):
         """Python number `value` as a float32 0-d tensor."""
+        if isinstance(value, (int, float)):  # (straight to float32, whatever floatx)
+            return ops.convert_to_tensor(float(value), "float32")
         return ops.cast(ops.convert_to_tensor(value), "float32")
 
     def full_scalar(value, like):

@@ -46,6 +46,11 @@ class ScaledTensor(
     functions given a ScaledTensor apply the scale rule of the
     same-named `keras_scalify.ops` function, or decode it
     (`keras_scalify.ops.dispatch`).
+
+    The scale fields are never written in place: on eager torch a scale
+    given as a Python number, and the scales the rules compute, are
+    tensors shared between ScaledTensors (cached constants, memoized
+    results whose values the host keeps: `backend.scalar`).
     """
 
     __slots__ = ()

@@ -400,10 +400,11 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
 
     def _calibrate_on_host(self, measured, as_float32, underflows, in_place, inner_grads, always):
         """`_calibrate` with its scalar bookkeeping in Python, bit for bit,
-        where the host reads the statistics and scales for free (eager
-        torch on a CPU: `backend.scalar.rms_all_on_host`): one read of the
-        statistics' vector instead of ~20 tensor ops on it and a tensor
-        per weight. Float32 arithmetic by NumPy; a grad scale that does
+        where the host has the statistics and scales (eager torch:
+        `backend.scalar.rms_all_on_host`, one read of the statistics'
+        vector, a synchronization on a GPU; the scales' values kept on
+        the host, `host_value`) instead of ~20 tensor ops on them and a
+        tensor per weight. Float32 arithmetic by NumPy; a grad scale that does
         not change is not written. Returns whether all gradients are
         finite (a Python bool), or None where the host cannot (then the
         tensor ops run)."""

@@ -523,3 +523,22 @@ def test_unless_one_chooses_at_run_time_on_tensorflow_graphs_only():
     xla = tf.function(f, jit_compile=True).get_concrete_function(big, k).graph
     assert not {"If", "StatelessIf"} & {op.type for op in xla.get_operations()}
     assert S.unless_one(1.0, big, lambda: pytest.fail("multiplied by a Python 1")) is big
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="values are kept on the host on eager torch only")
+def test_kept_values_read_nothing_on_the_meta_device():
+    """A symbolic call (Keras's meta device, in a stateless scope) reads no
+    value: a scale variable's read, `kept` and `host_value` give meta
+    tensors without keys there (`item()` would raise)."""
+    import torch
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    from tests.optimizers.helpers import scaled_mlp
+
+    sv = scaled_mlp("scaled_float32").layers[1].kernel
+    with StatelessScope(), keras.device("meta"):
+        scale = S.detached_variable_value(sv.scale)
+        assert scale.is_meta and S.host_value(scale) is None
+        assert S.kept(torch.zeros((), device="meta")).is_meta
+        assert S.float32_scalar(2.0, torch.zeros((3,))).is_meta
+    assert S.host_value(sv.read_scale()) == float(keras.ops.convert_to_numpy(sv.scale))
