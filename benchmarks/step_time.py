@@ -92,14 +92,22 @@ optimizer update; on eager torch the forward, loss, backward and optimizer
 update of Keras's torch train step, and what `train_on_batch` costs beyond
 them (Keras's bookkeeping).
 `--op-count` (torch) counts the aten operators of one train_on_batch per
-row with `torch.profiler` (design §9c's operator counts); on a GPU also its
-kernel launches, the host's waits for the device (synchronizations) and
-the GPU's kernel time.
+row with `torch.profiler` (design §9c's operator counts), the operators
+that return a 0-d tensor (scale arithmetic; each a kernel launch on a
+GPU) and the host's synchronizing reads of kept scale values
+(`backend.scalar.synchronizing_reads`); on a GPU also its kernel
+launches, the host's waits for the device (synchronizations) and the
+GPU's kernel time. `--scalar-path` picks the scale path the counted steps
+take (after 3 steps on it): `auto` (the device's own), `host-reads-off`
+(a GPU's, run on a CPU: `backend.scalar.host_reads_disabled`) or
+`tensor-ops` (no memo, no host value: `memo_disabled`, the GPU path
+before design §8.4).
 On torch the rows run on 1 CPU thread by default (`--torch-threads`; with
 torch's default threads a loaded 2-core machine gave 5-10x erratic times).
 """
 
 import argparse
+import contextlib
 import ctypes
 import os
 import sys
@@ -117,6 +125,7 @@ from keras import ops  # noqa: E402
 
 import keras_scalify as ksc  # noqa: E402
 from keras_scalify.backend import fp8  # noqa: E402
+from keras_scalify.backend import scalar as S  # noqa: E402
 
 from fp8_matmul import device_name  # noqa: E402
 
@@ -641,7 +650,7 @@ def run_model(model_name, args):
     if args.op_count and backend == "torch":
         for row, model in models.items():
             with fp8.fp8_route(route_of[row]):
-                op_counts[row] = torch_op_count(model, x, y)
+                op_counts[row] = torch_op_count(model, x, y, args.scalar_path)
     base = models.get("Keras float32") or next(iter(models.values()), None)
     params = keras_params(base) if base is not None else "?"
     print(
@@ -705,11 +714,14 @@ def run_model(model_name, args):
         if backend != "torch":
             print("\n(--op-count is implemented on torch only)")
         else:
-            print("\naten operators per train_on_batch (torch.profiler, one step):\n")
-            gpu = any(len(c) > 1 for c in op_counts.values())
+            print(
+                f"\naten operators per train_on_batch (torch.profiler, one step; "
+                f"scale path: {args.scalar_path}):\n"
+            )
+            gpu = any(len(c) > 3 for c in op_counts.values())
             extra = " kernel launches | host waits for the device | GPU kernel ms |" if gpu else ""
-            print("| row | aten operators |" + extra)
-            print("|---|---|" + ("---|---|---|" if gpu else ""))
+            print("| row | aten operators | 0-d tensor ops | synchronizing reads |" + extra)
+            print("|---|---|---|---|" + ("---|---|---|" if gpu else ""))
             for row, counts in op_counts.items():
                 print("| " + " | ".join([row, *map(str, counts)]) + " |")
     return results
@@ -721,23 +733,48 @@ CUDA_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "c
 CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def torch_op_count(model, x, y):
-    """Counts of one `train_on_batch` (torch.profiler): `[aten operators]`,
-    and on a GPU also kernel launches, host waits for the device and the
-    GPU's kernel time in ms (eager torch on a GPU is bound by the host
+SCALAR_PATHS = {
+    "auto": contextlib.nullcontext,
+    "host-reads-off": S.host_reads_disabled,
+    "tensor-ops": S.memo_disabled,
+}
+
+
+def torch_op_count(model, x, y, scalar_path="auto"):
+    """Counts of one `train_on_batch` on the scale path `scalar_path`
+    (`SCALAR_PATHS`, after 3 steps on it): `[aten operators (torch.profiler),
+    operators returning a 0-d tensor, synchronizing reads]` of one step
+    each, and on a GPU also kernel launches, host waits for the device and
+    the GPU's kernel time in ms (eager torch on a GPU is bound by the host
     when every scale computation is a kernel launch)."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ScalarOps.count += type(out) is torch.Tensor and out.ndim == 0
+            return out
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        model.train_on_batch(x, y)
-        if cuda:
-            torch.cuda.synchronize()
+    with SCALAR_PATHS[scalar_path]():
+        for _ in range(3):
+            model.train_on_batch(x, y)
+        with profile(activities=activities) as prof:
+            model.train_on_batch(x, y)
+            if cuda:
+                torch.cuda.synchronize()
+        reads = S.synchronizing_reads()
+        with ScalarOps():
+            model.train_on_batch(x, y)
+        reads = S.synchronizing_reads() - reads
     events = prof.key_averages()
-    counts = [sum(e.count for e in events if e.key.startswith("aten::"))]
+    counts = [sum(e.count for e in events if e.key.startswith("aten::")), ScalarOps.count, reads]
     if cuda:
         counts.append(sum(e.count for e in events if e.key in CUDA_LAUNCHES))
         counts.append(sum(e.count for e in events if e.key in CUDA_SYNCS))
@@ -801,6 +838,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--op-count", action="store_true",
         help="torch only: also count the aten operators of one train_on_batch per row",
+    )
+    p.add_argument(
+        "--scalar-path", choices=list(SCALAR_PATHS), default="auto",
+        help="--op-count's scale path: the device's own, a GPU's on a CPU "
+        "(host-reads-off), or no memo and no host value (tensor-ops)",
     )
     p.add_argument(
         "--jit-compile", action="store_true", default="auto",

@@ -162,29 +162,50 @@ def test_step_time_breakdown(step_time, capsys):
         assert abs(values[parts] - sum(values[:parts])) < 0.02, cells
 
 
-def test_step_time_op_count(step_time, capsys):
-    """`--op-count`: a table of aten operators per step on torch (a scaled
-    step dispatches more than Keras's); elsewhere a note that it is
-    torch-only."""
+def _op_counts(step_time, capsys, *extra):
     step_time.main(
         ["--model", "mlp", "--mlp-input", "8", "--mlp-width", "16", "--mlp-depth", "1",
-         *TINY, "--op-count", "--rows", "Keras float32", "scaled_float32"]
+         *TINY, "--op-count", "--rows", "Keras float32", "scaled_float32", *extra]
     )
     out = capsys.readouterr().out
     if keras.config.backend() != "torch":
         assert "--op-count is implemented on torch only" in out
-        return
+        return None
     table = out.split("aten operators per train_on_batch")[1]
     counts = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] != "row":
             counts[cells[0]] = [float(c) for c in cells[1:]]
+    return counts
+
+
+def test_step_time_op_count(step_time, capsys):
+    """`--op-count`: a table of aten operators, 0-d tensor ops and
+    synchronizing reads per step on torch (a scaled step dispatches more
+    than Keras's); elsewhere a note that it is torch-only."""
+    counts = _op_counts(step_time, capsys)
+    if counts is None:
+        return
     assert counts["scaled_float32"][0] > counts["Keras float32"][0] > 0
-    # On a GPU: kernel launches, host waits and kernel ms; on a CPU none.
-    assert all(len(c) == (4 if on_gpu() else 1) for c in counts.values()), counts
+    # On a GPU: kernel launches, host waits and kernel ms too.
+    assert all(len(c) == (6 if on_gpu() else 3) for c in counts.values()), counts
     if on_gpu():
-        assert all(c[1] > 0 and c[3] > 0 for c in counts.values()), counts
+        assert all(c[3] > 0 and c[5] > 0 for c in counts.values()), counts
+    else:  # (a CPU reads for free)
+        assert all(c[2] == 0 for c in counts.values()), counts
+
+
+def test_step_time_op_count_scalar_paths(step_time, capsys):
+    """`--scalar-path`: a GPU's path run on a CPU (host reads off) keeps the
+    scale values it reads, and its memos hit: fewer 0-d tensor ops than
+    the tensor ops' path (no memo), at the price of synchronizing reads."""
+    off = _op_counts(step_time, capsys, "--scalar-path", "host-reads-off")
+    if off is None:
+        return
+    tensor_ops = _op_counts(step_time, capsys, "--scalar-path", "tensor-ops")
+    assert off["scaled_float32"][1] < 0.5 * tensor_ops["scaled_float32"][1], (off, tensor_ops)
+    assert off["scaled_float32"][2] > 0 and tensor_ops["scaled_float32"][2] == 0, (off, tensor_ops)
 
 
 def test_step_time_gpt(step_time, capsys):
