@@ -860,18 +860,23 @@ if TORCH:
         finally:
             _HOST_READS_OFF.pop()
 
-    def _known_key(x):
-        """The value key the host keeps for tensor `x` (a memo's result, a
-        variable's detached scalar at its current version, a cached
-        constant), or None (none kept, or an identity token)."""
+    def _stored_key(x):
+        """The key kept on tensor `x` (a memo's result, a variable's
+        detached scalar at its current version, a cached constant; an
+        identity token included), or None."""
         attrs = x.__dict__
         key = attrs.get(_KEY_ATTR)
         if key is None:
             versioned = attrs.get(_VERSIONED_KEY_ATTR)
-            if versioned is None or versioned[0] != x._version:
-                return None
-            key = versioned[1]
-        return None if key[0] == "t" else key
+            if versioned is not None and versioned[0] == x._version:
+                key = versioned[1]
+        return key
+
+    def _known_key(x):
+        """The value key the host keeps for tensor `x` (`_stored_key`), or
+        None (none kept, or an identity token)."""
+        key = _stored_key(x)
+        return None if key is None or key[0] == "t" else key
 
     def _key_value(key):
         """The Python value of a value key (`_value_key`)."""
@@ -888,16 +893,11 @@ if TORCH:
         (it equals nothing); -0.0 has its own."""
         t = type(x)
         if t is _TENSOR or t is _PARAMETER:
-            attrs = x.__dict__
-            key = attrs.get(_KEY_ATTR)
+            key = _stored_key(x)
             if key is None:
-                versioned = attrs.get(_VERSIONED_KEY_ATTR)
-                if versioned is not None and versioned[0] == x._version:
-                    key = versioned[1]
-                else:
-                    key = _tensor_key(x)
-                    if key is _MISS:
-                        return _MISS
+                key = _tensor_key(x)
+                if key is _MISS:
+                    return _MISS
             tensors.append(x)
             return key
         if t is tuple or t is list:

@@ -542,3 +542,16 @@ def test_kept_values_read_nothing_on_the_meta_device():
         assert S.kept(torch.zeros((), device="meta")).is_meta
         assert S.float32_scalar(2.0, torch.zeros((3,))).is_meta
     assert S.host_value(sv.read_scale()) == float(keras.ops.convert_to_numpy(sv.scale))
+
+
+def test_float32_scalar_converts_numbers_straight_to_float32():
+    """A Python number becomes a float32 scalar whatever floatx is (on torch
+    a conversion through floatx float16 turned 70000 into inf)."""
+    previous = keras.config.floatx()
+    keras.config.set_floatx("float16")
+    try:
+        out = S.float32_scalar(70000.0, None)  # (no tensor to cache on: converted)
+    finally:
+        keras.config.set_floatx(previous)
+    assert standardize_dtype(out.dtype) == "float32"
+    assert float(to_np(out)) == 70000.0
