@@ -72,15 +72,6 @@ def _from_bits(b):
     return S.view(as_dtype(b, "int32"), "float32")
 
 
-def _subnormal_pow2_bits(mant):
-    """Bits of 2**floor(log2(mant)) * 2**-149 for a subnormal mantissa."""
-    # `mant` < 2**23 converts to float32 exactly; its exponent is the index
-    # of the highest set bit.
-    as_float = S.cast(S.maximum(mant, 1), "float32")
-    top_bit = S.subtract(S.right_shift(_bits(as_float), 23), 127)
-    return S.left_shift(S.ones_like(mant), top_bit)
-
-
 def pow2_round_down(x):
     """Largest power of two `<= |x|`, as float32 (see the module table).
     A scalar whose value the host has (`backend.scalar.host_value`: eager
@@ -106,13 +97,16 @@ def _host_round_down(v):
 @S.memoize_scalars
 def _pow2_round_down(x):
     b = _bits(_as_f32(x))
+    # A normal |x| rounded down keeps its exponent field alone (inf and NaN
+    # keep all ones: inf).
     exp = S.bitwise_and(b, _EXP_MASK)
-    mant = S.bitwise_and(b, _MANT_MASK)
-    is_special = S.equal(exp, _EXP_MASK)  # inf or NaN
-    is_subnormal = S.logical_and(S.equal(exp, 0), S.not_equal(mant, 0))
-    out = S.where(is_subnormal, _subnormal_pow2_bits(mant), exp)
-    out = S.where(is_special, _EXP_MASK, out)
-    return _from_bits(out)
+    # A subnormal |x| is mant * 2**-149: the integer mant converted to
+    # float32 (exact, and normal) and rounded down the same way is the
+    # float 2**k, whose integer value is the bits of 2**(k - 149); zero
+    # stays 0 (11 ops in all, where selecting a bit count took 18).
+    mant = S.cast(S.bitwise_and(b, _MANT_MASK), "float32")
+    sub = S.cast(_from_bits(S.bitwise_and(_bits(mant), _EXP_MASK)), "int32")
+    return _from_bits(S.where(S.equal(exp, 0), sub, exp))
 
 
 @S.memoize_scalars
