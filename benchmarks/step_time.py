@@ -72,7 +72,11 @@ median over rounds of the two rows' per-round medians' ratio, which
 cancels the machine's slower and faster phases (`paired_ratio`),
 with the issues' targets (scaled_float32 <= 1.15x Keras float32 on jax and
 TensorFlow, <= 1.25x on torch; scaled_fp8 <= 1.0x Keras float8, checked
-for both FP8 rows) and whether this run meets them. The last column is
+for both FP8 rows) and whether this run meets them. The "first step"
+column is the wall time of each row's first `train_on_batch` (jax and
+TensorFlow trace and compile the step in it; Keras on TensorFlow traces
+it twice, as it builds the optimizer inside the first trace), taken as
+the rows are built, in the table's order. The page faults column is
 the median minor page faults per step (Unix): eager torch on a CPU
 allocates every temporary through malloc, and glibc returns freed memory
 to the system (heap trimming, `mmap`ed blocks), so a step that allocates
@@ -623,12 +627,14 @@ def run_model(model_name, args):
     x, y = batch(model_name, args, batch_size)
     rows = [r for r in ROWS if args.rows is None or r[0] in args.rows]
     route_of = {r[0]: ROUTES.get(r[0], args.fp8_route) for r in rows}
-    models, errors, unbuilt_notes, taken = {}, {}, {}, {}
+    models, errors, unbuilt_notes, taken, first = {}, {}, {}, {}, {}
     for row, kind, policy, _ in rows:
         with fp8.fp8_route(route_of[row]):
             try:
                 model = build(model_name, kind, policy, args)
+                t0 = time.perf_counter()
                 model.train_on_batch(x, y)  # compiles: a failure shows here
+                first[row] = time.perf_counter() - t0
                 models[row] = model
             except Exception as e:  # a row that cannot run is reported
                 errors[row] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -663,12 +669,15 @@ def run_model(model_name, args):
         f"interleaved rounds, after >= {args.warmup} warm-up steps incl. compilation; "
         f"ratios: median of the per-round ratios)\n"
     )
-    print("| row | ms/step | ratio vs Keras counterpart | target | met | FP8 GEMM route | page faults/step |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| row | ms/step | ratio vs Keras counterpart | target | met | FP8 GEMM route "
+        "| page faults/step | first step (s) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     results = {}
     for row, _, _, counterpart in rows:
         if row in errors:
-            print(f"| {row} | failed | {errors[row]} | | | | |")
+            print(f"| {row} | failed | {errors[row]} | | | | | |")
             results[row] = (None, None)
             continue
         ms = med[row] * 1e3
@@ -686,7 +695,10 @@ def run_model(model_name, args):
         results[row] = (ms, ratio)
         route = ", ".join(taken.get(row, []))
         fault_text = "n/a" if faults.get(row) is None else f"{faults[row]:.0f}"
-        print(f"| {row} | {ms:.2f} | {ratio_text} | {target} | {met} | {route} | {fault_text} |")
+        print(
+            f"| {row} | {ms:.2f} | {ratio_text} | {target} | {met} | {route} | {fault_text} "
+            f"| {first[row]:.2f} |"
+        )
     for row, (names, (before, after)) in unbuilt_notes.items():
         print(
             f"\nnote ({row}): {len(names)} sublayer(s) stay unbuilt after training "

@@ -53,7 +53,7 @@ def test_step_time_mlp(step_time, capsys):
     out = capsys.readouterr().out
     assert "backend: " in out and "device: " in out
     rows = _table_rows(out)
-    assert "ms/step" in rows["row"]
+    assert "ms/step" in rows["row"] and rows["row"][6] == "first step (s)"
     names = [r[0] for r in step_time.ROWS]
     assert set(names) <= set(rows)
     for name, _, _, counterpart in step_time.ROWS:
@@ -61,6 +61,9 @@ def test_step_time_mlp(step_time, capsys):
         assert ms is not None and ms > 0, (name, rows[name])
         assert float(rows[name][0]) > 0
         assert re.match(r"(\d+|n/a)$", rows[name][5]), rows[name]  # page faults/step
+        first = float(rows[name][6])  # first step (s): where jax / TensorFlow compile
+        if keras.backend.backend() != "torch":
+            assert first > float(rows[name][0]) / 1e3, rows[name]
         if counterpart is not None:
             bf16 = rf"; \d+\.\d\dx {step_time.BF16_ROW}" if name.startswith("scaled_fp8") else ""
             assert re.match(rf"\d+\.\d\dx {counterpart}{bf16}$", rows[name][1]), rows[name]
