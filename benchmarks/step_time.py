@@ -48,8 +48,8 @@ values (exact, float32 accumulation) on a CPU with bfloat16 units, else
 the float32 simulation (TensorFlow: compiled as one XLA function), with the
 FP8 rounding done in float32 arithmetic (`keras_scalify.backend.fp8`);
 Keras float8 quantizes with FP8 casts and multiplies as float32. The device
-line says whether the CPU has bfloat16 units; the last column names the
-route each row's FP8 GEMMs took.
+line says whether the CPU has bfloat16 units; the FP8 GEMM route column
+names the route each row's FP8 GEMMs took.
 
 The MLP's scaled rows are `ksc.scalify(keras_mlp, dtype=...)`.
 
