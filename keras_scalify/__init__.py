@@ -4,6 +4,7 @@ from keras_scalify import callbacks
 from keras_scalify import core
 from keras_scalify import debug
 from keras_scalify import layers
+from keras_scalify import models
 from keras_scalify import ops
 from keras_scalify import optimizers
 from keras_scalify import plot

@@ -18,7 +18,9 @@ holding the same (represented) weights:
 `unscalify(model)` does the opposite: every scaled layer becomes its Keras
 counterpart with the represented float32 weights, boundary layers
 (`AsScaled`, `ToArray`) and `DynamicRescaleGrad` (identity forward) are
-removed, so the result loads without keras_scalify.
+removed, so the result loads without keras_scalify. The root of a model
+converted in place saves as the original plus the `scalify` calls that
+`load_model` replays (`keras_scalify/models.py`).
 
 Rebuilding walks the model's graph rather than using
 `keras.models.clone_model`: Keras records a layer's outputs as a flat list
@@ -31,6 +33,7 @@ import contextlib
 import keras
 from keras import tree
 
+from keras_scalify import models
 from keras_scalify.convert_inplace import all_layers
 from keras_scalify.convert_inplace import convert_in_place
 from keras_scalify.convert_inplace import walk_sublayers
@@ -588,6 +591,7 @@ def scalify(model, dtype=None, exclude=()):
     if _is_graph_model(model):
         return _rebuild(model, make_step, "scalify")
     _check_model(model, "scalify")
+    models.attach(model, dtype, exclude)
     make_step(None, None).inside(model)
     return _finish(model, model)
 
@@ -759,4 +763,5 @@ def unscalify(model):
         return _rebuild(model, make_step, "unscalify")
     _check_model(model, "unscalify")
     make_step(None, None).inside(model)
+    models.detach(model)
     return model

@@ -58,6 +58,17 @@ attention's masked scores through the rules of `where`, `softmax` and
 `where`, torch's softmax and its fused backward) instead of ~5 passes each
 way; elsewhere None, and the caller composes the rules.
 
+**Softmax** `softmax(u, axis)`: a softmax whose saturated rows are
+exactly one-hot, so their backward is exactly 0 (the scores' scale,
+2^(2k) for an attention input at 2^k, multiplies whatever is left there
+into the input gradient). TensorFlow: `exp(u - max) / sum` with IEEE
+division. Its CPU kernel without oneDNN (TensorFlow turns oneDNN on only
+for CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX, so on AMD EPYC it is
+off) multiplies by Eigen's approximate reciprocal: a one-hot row reads
+1 - 2^-24, and attention's input gradient at k = 20 came out 2^18 off.
+JAX and torch: their own softmax (they divide exactly, or multiply by an
+exact `1/sum`).
+
 **Bias add in the GEMM node** `bias_in_gemm(x, w)`: whether a Dense
 layer's bias add (and, on eager torch, its activation) joins its GEMMs'
 custom gradient (`ops.linalg.contraction_plus`): eager torch and
@@ -73,6 +84,7 @@ side (the composition: two extra passes in the backward).
 import math
 
 from keras import ops
+from keras.backend import backend as keras_backend
 
 from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import TORCH
@@ -102,6 +114,15 @@ def gate(u, kind):
     if kind == "silu":
         return ops.sigmoid(u)
     raise ValueError(f"gated: `kind` must be one of {KINDS}, got {kind!r}.")
+
+
+def softmax(u, axis=-1):
+    """Softmax over `axis` with exactly one-hot saturated rows (docstring
+    of the module)."""
+    if keras_backend() != "tensorflow":
+        return ops.softmax(u, axis=axis)
+    e = ops.exp(u - ops.stop_gradient(ops.max(u, axis=axis, keepdims=True)))
+    return ops.divide(e, ops.sum(e, axis=axis, keepdims=True))
 
 
 def _gated_ops(a, s, kind):

@@ -222,6 +222,26 @@ def _check_float(name, x):
         )
 
 
+def _numeric_array(name, s):
+    """A Python or NumPy scale as a NumPy array (integers as float32), or a
+    TypeError naming `name` for anything that is not a number."""
+    if s is None:
+        raise TypeError(
+            f"`{name}` is required: a power-of-two float scalar (a Python "
+            f"float or a rank-0 float tensor), got None."
+        )
+    try:
+        array = np.asarray(s)
+    except Exception:  # objects NumPy cannot convert
+        array = None
+    if array is None or array.dtype.kind not in "fiu":
+        raise TypeError(
+            f"`{name}` must be a power-of-two float scalar (a Python float "
+            f"or a rank-0 float tensor), got {type(s).__name__} {s!r:.80}."
+        )
+    return array.astype("float32") if array.dtype.kind in "iu" else array
+
+
 def _as_scale_tensor(name, s, like=None):
     if S.has_dtype(s, "float32") and len(s.shape) == 0:
         return s  # what the rules pass: no conversion, nothing to check
@@ -235,13 +255,8 @@ def _as_scale_tensor(name, s, like=None):
         if like is not None:
             return S.float32_scalar(float(s), like)
         s = ops.convert_to_tensor(float(s), "float32")
-    elif isinstance(s, (float, int, np.ndarray, np.generic)):
-        s = np.asarray(s)
-        if s.dtype.kind in "iu":
-            s = s.astype("float32")
-        s = ops.convert_to_tensor(s)
-    elif not _is_tensor_like(s):
-        s = ops.convert_to_tensor(s)
+    elif not _is_tensor_like(s) or isinstance(s, (np.ndarray, np.generic)):
+        s = ops.convert_to_tensor(_numeric_array(name, s))
     if len(s.shape) != 0:
         raise ValueError(
             f"`{name}` must be a scalar (rank 0), got shape {tuple(s.shape)}."

@@ -57,9 +57,11 @@ class ScaledLayer(keras.layers.Layer):
 
         The layer takes a subclass of its class (named `keras_name`, the
         Keras class it replaces, when given: Keras's saving names the
-        layers of a Functional graph after their class, and so stores the
-        Keras-layout weights where the plain model looks for them) whose
-        output spec is plain, so symbolic calls record plain outputs."""
+        layers of a Functional graph after their class, so the weights file
+        of the converted model has the original's layout, and the
+        `scalify` replayed by `load_model` finds its weights, see
+        `keras_scalify.models`) whose output spec is plain, so symbolic
+        calls record plain outputs."""
         if not self.built:
             raise ValueError(
                 f"Layer {self.name!r} must be built before `enable_plain_io`."
@@ -74,9 +76,6 @@ class ScaledLayer(keras.layers.Layer):
         finally:
             self._tracker.lock()
         self._plain_io_dtype = keras.backend.standardize_dtype(dtype)
-        for layer in self._flatten_layers(include_self=True, recursive=True):
-            if isinstance(layer, ScaledLayer):
-                layer._keras_format_weights = True
         object.__setattr__(
             self,
             "__class__",
@@ -88,43 +87,6 @@ class ScaledLayer(keras.layers.Layer):
             return super().__repr__()
         cls = getattr(type(self), "_scaled_class_name", type(self).__name__)
         return f"<{cls} name={self.name}, built={self.built}, plain_io=True>"
-
-    # --- saving -----------------------------------------------------------
-    #
-    # A plain-I/O layer (and the scaled layers inside it) lives inside a
-    # custom layer or model whose config rebuilds the *plain* Keras layer
-    # when a `.keras` file is loaded. Its variables are therefore saved as
-    # that Keras layer's: the represented float32 weights, in the Keras
-    # counterpart's order, without scales and delayed-rescaling states. The
-    # file loads without keras_scalify into the original architecture (with
-    # the same predictions); `scalify` then splits the weights again
-    # exactly. Scaled layers of a rebuilt graph save all their variables.
-
-    def _own_weight_groups(self):
-        """This layer's own weights (not its sublayers'), grouped as
-        `_weight_groups`."""
-        return _group_weights(
-            [self], self._trainable_variables + self._non_trainable_variables
-        )
-
-    def save_own_variables(self, store):
-        if not getattr(self, "_keras_format_weights", False):
-            return super().save_own_variables(store)
-        for i, item in enumerate(self._own_weight_groups()):
-            store[str(i)] = np.asarray(keras.ops.convert_to_numpy(item.value))
-
-    def load_own_variables(self, store):
-        if not getattr(self, "_keras_format_weights", False):
-            return super().load_own_variables(store)
-        groups = self._own_weight_groups()
-        if len(store.keys()) != len(groups):
-            raise ValueError(
-                f"Layer {self.name!r} expected {len(groups)} weights in the "
-                f"Keras layout, got {len(store.keys())}."
-            )
-        for i, item in enumerate(groups):
-            item.assign(store[str(i)])
-
 
     def compute_output_spec(self, *args, **kwargs):
         """By default, traced from `call` (Keras would derive it from

@@ -45,7 +45,7 @@ def softmax(x, axis=-1):
     _, ga = scalars(x)
     r = pow2_sqrt(reduced_count(x.data, axis))
     one = S.float32_scalar(1.0, x.data)
-    return pointwise(x, lambda u: ops.softmax(u, axis=axis), *_softmax_scales(one, ga, r))
+    return pointwise(x, lambda u: fused.softmax(u, axis=axis), *_softmax_scales(one, ga, r))
 
 
 @S.memoize_scalars
@@ -314,7 +314,7 @@ def _attention_probs(logits, bias, mask, is_causal):
     keep = _attention_keep(logits, mask, is_causal)
     if keep is not None:
         logits = ops.where(keep, logits, _LARGE_NEGATIVE)
-    return ops.softmax(logits, axis=-1)
+    return fused.softmax(logits, axis=-1)
 
 
 # Keras's fill for masked logits (float32): 0.7 × the float32 max, negated.

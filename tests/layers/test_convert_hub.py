@@ -159,15 +159,14 @@ def test_causal_lm_generate_save_load_and_unscalify(tmp_path):
     assert tokens.shape == (1, 8)
     np.testing.assert_array_equal(tokens[0, :3], prompt["token_ids"][0, :3])
 
-    # `.keras`: the file holds the keras-hub model with the represented
-    # weights (it loads without keras_scalify); scalify splits them again
-    # exactly, so the scaled predictions come back bit for bit.
+    # `.keras`: `load_model` replays the scalify call on the keras-hub
+    # model and loads every scaled variable: the scaled predictions come
+    # back bit for bit (tests/layers/test_checkpoint.py: training too).
     scaled = _outputs(lm, x)
     path = str(tmp_path / "lm.keras")
     lm.save(path)
     loaded = keras.saving.load_model(path)
-    assert type(loaded.backbone.token_embedding) is keras.layers.ReversibleEmbedding
-    ksc.scalify(loaded, dtype="scaled_fp8")
+    assert isinstance(loaded.backbone.token_embedding, ksc.layers.ScaledReversibleEmbedding)
     for a, b in zip(scaled, _outputs(loaded, x)):
         np.testing.assert_array_equal(b, a)
 

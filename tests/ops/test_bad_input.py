@@ -181,6 +181,21 @@ def test_scaled_tensor_refuses_non_tensor_data(data):
         ksc.ScaledTensor(data, 1.0)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: ksc.as_scaled(x, scale="2"),
+        lambda x: ksc.as_scaled(x, scale=np.array("2")),
+        lambda x: ksc.ScaledTensor(x, None),
+        lambda x: ksc.ScaledTensor(x, object()),
+    ],
+    ids=["str", "str_array", "none", "object"],
+)
+def test_a_non_numeric_or_missing_scale_is_named(make):
+    with raises(TypeError, "scale"):
+        make(keras.ops.ones((2,)))
+
+
 def test_scaled_tensor_keeps_pytree_placeholders():
     # What tree utilities build when they map over the fields.
     assert ksc.ScaledTensor(None, None, None).data is None

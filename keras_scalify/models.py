@@ -1,0 +1,146 @@
+"""The root of a model that `scalify` converted in place, and its `.keras` file.
+
+A keras-hub backbone or task, or a subclassed model, is rebuilt by its own
+class's `from_config` when a `.keras` file is loaded: its config holds
+hyperparameters, not sublayers, so a plain `from_config` gives back the
+plain model. `scalify` therefore gives the root of a model it converts in
+place a subclass of the root's class (`ScalifiedModel` first in its MRO),
+registered as `keras_scalify>ScalifiedModel`, whose config is
+
+    {"model": <the original's serialized config, taken before conversion>,
+     "scalify": [<the arguments of each scalify call>]}
+
+and whose `from_config` deserializes the original, replays the `scalify`
+calls, and returns the converted model. Keras then loads every variable
+of the converted model (data in its master dtype, scales, grad scales,
+delayed-rescaling states) and, for a compiled model, its optimizer's: the
+loaded model is the saved one, bit for bit, and training resumes where it
+stopped. `unscalify` gives the root its class back; save the unscalified
+model for a file that loads without keras_scalify.
+"""
+
+import importlib
+
+import keras
+
+REGISTERED_NAME = "keras_scalify>ScalifiedModel"
+
+_CLASSES = {}
+
+
+class ScalifiedModel:
+    """Mixin of the root of a model converted in place (see the module)."""
+
+    def get_config(self):
+        return {
+            "model": self._ksc_original_config,
+            "scalify": [dict(call) for call in self._ksc_scalify_calls],
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        from keras_scalify.convert import scalify
+
+        model = keras.saving.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects
+        )
+        for call in config["scalify"]:
+            model = scalify(
+                model,
+                dtype=_deserialize_dtype(call["dtype"]),
+                exclude=tuple(_deserialize_exclude(e) for e in call["exclude"]),
+            )
+        return model
+
+    def get_build_config(self):
+        # The original's build config is inside `get_config()["model"]`.
+        return None
+
+    def compile_from_config(self, config):
+        """Compiles with the saved compile config, through the model's own
+        `compile` (keras-hub tasks override it, so Keras's
+        `compile_from_config` would skip it), and builds the optimizer so
+        that its saved variables load."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+
+def attach(model, dtype, exclude):
+    """Records a `scalify(model, dtype, exclude)` on the root `model`
+    converted in place: called before the conversion (the first call takes
+    the original's config) and given its class's `ScalifiedModel` subclass.
+    """
+    call = {
+        "dtype": _serialize_dtype(dtype),
+        "exclude": [_serialize_exclude(e) for e in exclude],
+    }
+    if isinstance(model, ScalifiedModel):
+        model._ksc_scalify_calls.append(call)
+        return
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)  # compiled again by the outer config
+    # (Plain attributes: not tracked by Keras, not torch module state.)
+    object.__setattr__(model, "_ksc_original_config", config)
+    object.__setattr__(model, "_ksc_scalify_calls", [call])
+    object.__setattr__(model, "__class__", _scalified_class(type(model)))
+
+
+def detach(model):
+    """The root's own class again (`unscalify`)."""
+    if not isinstance(model, ScalifiedModel):
+        return
+    object.__setattr__(model, "__class__", type(model)._ksc_original_class)
+    object.__delattr__(model, "_ksc_original_config")
+    object.__delattr__(model, "_ksc_scalify_calls")
+
+
+def _scalified_class(cls):
+    if cls not in _CLASSES:
+        new = type(
+            cls.__name__,
+            (ScalifiedModel, cls),
+            {
+                "__module__": __name__,
+                "__qualname__": cls.__qualname__,
+                "_ksc_original_class": cls,
+            },
+        )
+        # Every such class is registered under one name; `from_config`
+        # does not depend on which one the registry holds.
+        package, name = REGISTERED_NAME.split(">")
+        keras.saving.register_keras_serializable(package=package, name=name)(new)
+        _CLASSES[cls] = new
+    return _CLASSES[cls]
+
+
+def _serialize_dtype(dtype):
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    return keras.saving.serialize_keras_object(dtype)
+
+
+def _deserialize_dtype(config):
+    if config is None or isinstance(config, str):
+        return config
+    return keras.saving.deserialize_keras_object(config)
+
+
+def _serialize_exclude(entry):
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, type):
+        return {"module": entry.__module__, "class_name": entry.__qualname__}
+    raise TypeError(
+        f"`exclude` entries must be layer names or classes, got {entry!r}."
+    )
+
+
+def _deserialize_exclude(entry):
+    if isinstance(entry, str):
+        return entry
+    obj = importlib.import_module(entry["module"])
+    for part in entry["class_name"].split("."):
+        obj = getattr(obj, part)
+    return obj
