@@ -28,12 +28,12 @@ of tensors, so a ScaledTensor (a named tuple) returned for a single plain
 output would be cut to its `data` by `clone_model`'s bookkeeping.
 """
 
-import contextlib
 
 import keras
 from keras import tree
 
 from keras_scalify import models
+from keras_scalify.layers.base import name_scopes_of
 from keras_scalify.convert_inplace import all_layers
 from keras_scalify.convert_inplace import convert_in_place
 from keras_scalify.convert_inplace import walk_sublayers
@@ -445,7 +445,7 @@ class _ScalifyStep:
             # Weightless layers gain nothing from scaling between plain
             # code; an unbuilt layer was never called.
             return False
-        with _name_scopes_of(layer):
+        with name_scopes_of(layer):
             try:
                 new = self._convert(layer, keras_name)
             except ValueError as e:
@@ -460,8 +460,18 @@ class _ScalifyStep:
         convert_in_place(root, self.choose)
         if self._excluded(root):
             return
+        from keras_scalify.layers.own_weights import scale_own_weights
         from keras_scalify.layers.regions import install_regions
+        from keras_scalify.policies import get as get_policy
 
+        def own(parent, child):
+            if self._excluded(child):
+                return False
+            policy = child.dtype_policy if self.dtype is None else get_policy(self.dtype)
+            scale_own_weights(parent, child, policy)
+            return True
+
+        walk_sublayers(root, own)
         install_regions(root)
         _plain_policy_to_float32(root)
 
@@ -596,18 +606,6 @@ def scalify(model, dtype=None, exclude=()):
     return _finish(model, model)
 
 
-@contextlib.contextmanager
-def _name_scopes_of(layer):
-    """The name scopes `layer` was created in: a layer made in them has
-    `layer`'s path, and its variables have the paths of `layer`'s (paths
-    name weights in optimizers, layout maps and summaries; two weights
-    with one path made training on torch diverge)."""
-    with contextlib.ExitStack() as scopes:
-        for part in layer.path.split("/")[:-1]:
-            scopes.enter_context(keras.name_scope(part))
-        yield
-
-
 def _plain_dtype_of(layer):
     """The dtype a plain-I/O scaled layer returns in place of `layer`: its
     compute dtype, float32 for a scaled policy (the plain code around it
@@ -660,7 +658,7 @@ class _UnscalifyStep:
 
         if isinstance(layer, ScaledLayer):
             if layer.plain_io:
-                with _name_scopes_of(layer):
+                with name_scopes_of(layer):
                     return layer.to_keras()
             raise ValueError(
                 f"Layer {layer.name!r} ({type(layer).__name__}) is a scaled "
@@ -672,9 +670,12 @@ class _UnscalifyStep:
     def inside(self, root):
         from keras_scalify.layers.regions import uninstall_regions
 
+        from keras_scalify.layers.own_weights import unscale_own_weights
+
         uninstall_regions(root)
         convert_in_place(root, self.choose)
         for layer in all_layers(root):
+            unscale_own_weights(layer)
             _restore_policy(layer)
 
     def new_layer(self, layer):

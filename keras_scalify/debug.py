@@ -136,6 +136,16 @@ def _einsum_flops(equation, x_shape, kernel_shape):
     return 2 * int(np.prod(list(sizes.values()))) * extra
 
 
+def _contraction_flops(name, args):
+    """FLOPs of a recorded `einsum(subscripts, a, b)` / `matmul(a, b)`."""
+    shape = lambda t: tuple(int(d) for d in t.shape)  # noqa: E731
+    if name == "einsum":
+        return _einsum_flops(args[0], shape(args[1]), shape(args[2]))
+    a, b = shape(args[0]), shape(args[1])
+    batch = np.broadcast_shapes(a[:-2], b[:-2]) if len(a) > 2 or len(b) > 2 else ()
+    return 2 * int(np.prod(batch)) * a[-2] * a[-1] * b[-1]
+
+
 def _layer_flops(layer, args, kwargs, output):
     """FLOPs of the kernel GEMM of one call of `layer`, or None."""
     import keras
@@ -231,8 +241,10 @@ def propagation(model, inputs):
 def gemm_coverage(model, inputs):
     """Where the GEMM FLOPs of one forward call of `model` on `inputs` run.
 
-    Counts the kernel GEMMs of Dense, EinsumDense, Conv1D/Conv2D and tied
-    output projections (`ReversibleEmbedding(..., reverse=True)`), plain or
+    Counts the kernel GEMMs of Dense, EinsumDense, Conv1D/Conv2D, tied
+    output projections (`ReversibleEmbedding(..., reverse=True)`) and
+    custom layers' own kernels (`keras.ops.einsum`/`matmul` with one of
+    them: mixture-of-experts banks, `layers/own_weights.py`), plain or
     scaled, found anywhere inside `model`; attention's score and value
     products (no weights) are not counted. Returns a dict: `"scaled"` and
     `"total"` FLOPs, `"fraction"` (scaled / total), `"fp8"` (FLOPs of
@@ -240,6 +252,8 @@ def gemm_coverage(model, inputs):
     name, flops, scaled, fp8_route)]` in call order.
     """
     from keras_scalify.layers.base import ScaledLayer
+    from keras_scalify.layers.own_weights import plain_kernel_owners
+    from keras_scalify.ops.dispatch import record_contractions
 
     rows = []
 
@@ -248,12 +262,25 @@ def gemm_coverage(model, inputs):
         if flops is not None:
             rows.append((layer, flops))
 
-    with _watching_calls(model, record):
+    owners = plain_kernel_owners(model)
+    with _watching_calls(model, record), record_contractions() as calls:
         model(inputs)
+    # Contractions with custom layers' own kernels (`layers/own_weights.py`:
+    # mixture-of-experts banks), plain or scaled.
+    for name, args, contract in calls:
+        operands = args[1:] if name == "einsum" else args
+        if contract is not None:
+            layer, route = contract.layer, contract.layer._ksc_weight_policy._fp8_route
+        else:
+            layer = next((owners[id(o)] for o in operands if id(o) in owners), None)
+            route = None
+        if layer is not None:
+            flops = _contraction_flops(name, args)
+            rows.append((layer, flops, contract is not None, route))
     table, scaled, fp8, total = [], 0, 0, 0
-    for layer, flops in rows:
-        is_scaled = isinstance(layer, ScaledLayer)
-        route = layer.fp8_route if is_scaled else None
+    for layer, flops, *own in rows:
+        is_scaled = own[0] if own else isinstance(layer, ScaledLayer)
+        route = own[1] if own else (layer.fp8_route if is_scaled else None)
         total += flops
         scaled += flops if is_scaled else 0
         fp8 += flops if route is not None else 0

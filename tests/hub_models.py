@@ -124,6 +124,41 @@ def qwen():
     )
 
 
+def mixtral():
+    """Mixtral: 4 experts, top 2 (a mixture-of-experts family)."""
+    keras.utils.set_random_seed(0)
+    return _hub().models.MixtralBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_query_heads=HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=INTERMEDIATE,
+        num_key_value_heads=KV_HEADS,
+        num_experts=4,
+        top_k=2,
+        sliding_window=SEQ_LEN,
+        dropout=0,
+    )
+
+
+def qwen3_moe():
+    """Qwen3-MoE: 4 experts, top 2 (another mixture-of-experts family)."""
+    keras.utils.set_random_seed(0)
+    return _hub().models.Qwen3MoeBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_query_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=INTERMEDIATE,
+        moe_intermediate_dim=INTERMEDIATE // 2,
+        num_experts=4,
+        head_dim=HEAD_DIM,
+        top_k=2,
+        dropout=0,
+    )
+
+
 def bert():
     keras.utils.set_random_seed(0)
     return _hub().models.BertBackbone(
@@ -157,6 +192,8 @@ MODELS = {
     "gemma": gemma,
     "gemma3": gemma3,
     "qwen": qwen,
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
     "bert": bert,
     "vit": vit,
 }

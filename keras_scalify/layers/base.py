@@ -1,5 +1,6 @@
 """Shared base of the scaled layers."""
 
+import contextlib
 import functools
 
 import keras
@@ -18,6 +19,30 @@ _DEFAULTS = {
     "master_dtype": "float32",
     "state_dtype": "float32",
 }
+
+
+def policy_field(policy, field):
+    """A scaled policy's `field` (matmul, grad, master, compute, state
+    dtype); for a plain Keras policy the defaults: no low-precision casts
+    (the compute dtype) and float32 master weights and states."""
+    value = getattr(policy, field, None)
+    if value is None:
+        value = _DEFAULTS[field]
+    if value is None:
+        value = policy.compute_dtype
+    return value
+
+
+@contextlib.contextmanager
+def name_scopes_of(layer):
+    """The name scopes `layer` was created in: a layer made in them has
+    `layer`'s path, and its variables have the paths of `layer`'s (paths
+    name weights in optimizers, layout maps and summaries; two weights
+    with one path made training on torch diverge)."""
+    with contextlib.ExitStack() as scopes:
+        for part in layer.path.split("/")[:-1]:
+            scopes.enter_context(keras.name_scope(part))
+        yield
 
 
 class ScaledLayer(keras.layers.Layer):
@@ -162,12 +187,7 @@ class ScaledLayer(keras.layers.Layer):
         return getattr(self, "_fp8_route", None)
 
     def policy_dtype(self, field):
-        value = getattr(self.dtype_policy, field, None)
-        if value is None:
-            value = _DEFAULTS[field]
-        if value is None:
-            value = self.compute_dtype
-        return value
+        return policy_field(self.dtype_policy, field)
 
     def add_scaled_weight(self, name, shape, initializer, trainable=True):
         sv = ScaledVariable(

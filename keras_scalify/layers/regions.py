@@ -19,6 +19,8 @@ scaled layer:
   it opens one and decodes its outputs to float32 on the way out; inside
   one it runs as is. Models and layers holding models open no region:
   their code sees plain values, their composites open their own regions;
+- a layer whose own kernels `scalify` scaled (`layers/own_weights.py`):
+  a composite whose attributes hold the weights' reads while it runs;
 - a *leaf* (no converted layer below) called in a region: a Keras layer
   gets its ScaledTensor inputs decoded (Dropout, and keras-hub's rotary
   embedding: applied to the data, the scale kept; keras-hub's RMS norms:
@@ -76,6 +78,33 @@ def _composite_call(call):
         with _region(True):
             outputs = call(*args, **kwargs)
         return map_scaled(_decode, outputs)
+
+    return wrapper
+
+
+def _own_weights_call(call):
+    """A custom layer whose own kernels `scalify` scaled
+    (`layers/own_weights.py`): a composite whose attributes hold the
+    weights' reads while it runs, their contractions the policy's GEMMs."""
+    from keras_scalify.layers.own_weights import weight_reads
+    from keras_scalify.ops.dispatch import weight_reads as registered
+
+    layer = call.__self__
+
+    @functools.wraps(call)
+    def wrapper(*args, **kwargs):
+        reads = weight_reads(layer)
+        kept = {attr: layer.__dict__[attr] for attr, _, _ in reads}
+        opened = not in_region()
+        try:
+            for attr, read, _ in reads:
+                object.__setattr__(layer, attr, read)
+            with _region(True), registered([(read, c) for _, read, c in reads]):
+                outputs = call(*args, **kwargs)
+        finally:
+            for attr, value in kept.items():
+                object.__setattr__(layer, attr, value)
+        return map_scaled(_decode, outputs) if opened else outputs
 
     return wrapper
 
@@ -164,11 +193,14 @@ _RMS_NORM_NAMES = {
 def _kind(layer):
     """The wrapper for `layer`'s call (None: left as it is)."""
     from keras_scalify.layers.base import ScaledLayer
+    from keras_scalify.layers.own_weights import has_own_weights
 
     if isinstance(layer, (ScaledLayer, keras.Model)):
         return None
+    if has_own_weights(layer):
+        return _own_weights_call
     below = layer._flatten_layers(include_self=False, recursive=True)
-    if any(isinstance(sub, ScaledLayer) for sub in below):
+    if any(isinstance(sub, ScaledLayer) or has_own_weights(sub) for sub in below):
         if any(isinstance(sub, keras.Model) for sub in below):
             return None
         return _composite_call
@@ -184,9 +216,22 @@ def _kind(layer):
     return _transparent_call
 
 
+def _plain_add_loss(add_loss):
+    """`add_loss` of a layer in a region: a ScaledTensor loss (a router's
+    auxiliary loss computed on scaled logits) is decoded first; Keras would
+    flatten it into three losses (data, scale, grad scale)."""
+
+    @functools.wraps(add_loss)
+    def wrapper(loss):
+        return add_loss(map_scaled(_decode, loss))
+
+    return wrapper
+
+
 def install_regions(root):
     """Wraps the `call` of the layers in `root`'s tree (`root` included)
-    as composites or leaves (see above)."""
+    as composites or leaves (see above), and their `add_loss` so that
+    losses leave a region as plain tensors."""
     for layer in root._flatten_layers(include_self=True, recursive=True):
         if "_ksc_plain_call" in layer.__dict__:
             continue
@@ -195,6 +240,7 @@ def install_regions(root):
             continue
         object.__setattr__(layer, "_ksc_plain_call", layer.call)
         object.__setattr__(layer, "call", wrap(layer.call))
+        object.__setattr__(layer, "add_loss", _plain_add_loss(layer.add_loss))
 
 
 def uninstall_regions(root):
@@ -202,4 +248,5 @@ def uninstall_regions(root):
     for layer in root._flatten_layers(include_self=True, recursive=True):
         if "_ksc_plain_call" in layer.__dict__:
             object.__delattr__(layer, "call")
+            object.__delattr__(layer, "add_loss")
             object.__delattr__(layer, "_ksc_plain_call")

@@ -170,6 +170,73 @@ def record_dispatch():
         _RECORDERS.remove(counts)
 
 
+# Weight reads of custom layers' own kernels (`layers/own_weights.py`):
+# id(read) -> (read, contract). While registered, a `keras.ops.einsum` or
+# `matmul` with one as an operand runs `contract(subscripts_or_none,
+# operands, index)` (the layer policy's GEMM) instead of the rule.
+_WEIGHT_READS = {}
+_CONTRACTIONS = ("einsum", "matmul")
+
+
+@contextlib.contextmanager
+def weight_reads(pairs):
+    """Registers `(read, contract)` pairs while open (see above)."""
+    for read, contract in pairs:
+        _WEIGHT_READS[id(read)] = (read, contract)
+    try:
+        yield
+    finally:
+        for read, _ in pairs:
+            _WEIGHT_READS.pop(id(read), None)
+
+
+# Open `record_contractions()` lists.
+_CONTRACTION_RECORDERS = []
+
+
+@contextlib.contextmanager
+def record_contractions():
+    """Records, while open, every `keras.ops.einsum` / `matmul` call as
+    `(name, args, contract)`: `contract` is the registered weight read's
+    (see `weight_reads`) among its operands, else None."""
+    calls = []
+    _CONTRACTION_RECORDERS.append(calls)
+    try:
+        yield calls
+    finally:
+        _CONTRACTION_RECORDERS.remove(calls)
+
+
+def _record_contraction(name, args):
+    operands = args[1:] if name == "einsum" else args
+    entry = next(
+        (_WEIGHT_READS[id(x)] for x in operands if id(x) in _WEIGHT_READS),
+        None,
+    )
+    for calls in _CONTRACTION_RECORDERS:
+        calls.append((name, args, None if entry is None else entry[1]))
+
+
+def _weight_contraction(name, args, kwargs):
+    """The registered `contract` of a weight operand of this call, or None
+    (positional two-operand calls only)."""
+    if kwargs:
+        return None
+    if name == "einsum":
+        if len(args) != 3 or not isinstance(args[0], str):
+            return None
+        subscripts, operands = args[0], args[1:]
+    elif len(args) == 2:
+        subscripts, operands = None, args
+    else:
+        return None
+    for i, x in enumerate(operands):
+        entry = _WEIGHT_READS.get(id(x))
+        if entry is not None and entry[0] is x:
+            return entry[1](subscripts, operands, i)
+    return None
+
+
 def _make_wrapper(name, original):
     rule = _rule(name)
     signature = rule_params = None
@@ -182,8 +249,14 @@ def _make_wrapper(name, original):
             rule_params = set(inspect.signature(rule).parameters)
 
     def wrapper(*args, **kwargs):
+        if _CONTRACTION_RECORDERS and name in _CONTRACTIONS:
+            _record_contraction(name, args)
         if not _has_scaled(args, kwargs):
             return original(*args, **kwargs)
+        if _WEIGHT_READS and name in _CONTRACTIONS:
+            out = _weight_contraction(name, args, kwargs)
+            if out is not None:
+                return out
         if rule is not None:
             bound = _rule_arguments(signature, rule_params, args, kwargs)
             if bound is not None:

@@ -15,7 +15,8 @@ pytest.importorskip("keras_hub")
 
 ALL = list(hm.MODELS)
 # Trained in the (slower) training tests: one per family of blocks.
-TRAINED = ["gpt2_causal_lm", "llama", "gemma", "bert", "vit"]
+TRAINED = ["gpt2_causal_lm", "llama", "gemma", "bert", "vit", "mixtral", "qwen3_moe"]
+MOE = ["mixtral", "qwen3_moe"]
 
 
 def _np(x):
@@ -99,6 +100,36 @@ def test_scalify_converts_keras_hub_models(name):
     unscaled = {row[1] for row in coverage["layers"] if not row[3]}
     assert unscaled <= {"Conv2D"}  # ViT's patching convolution
     assert all(np.isfinite(o).all() for o in _outputs(model, x))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_experts_are_scaled_and_auxiliary_losses_stay_plain(name):
+    """The experts' kernels (a custom layer's own weights, contracted with
+    `keras.ops.einsum`) become ScaledVariables; the routers' auxiliary
+    losses (`add_loss` on scaled logits) leave the regions as plain
+    tensors equal to the plain model's."""
+    plain, scaled = hm.MODELS[name](), hm.MODELS[name]()
+    x = hm.make_inputs(name)
+    plain_out = _np(plain(x, training=True))
+    ksc.scalify(scaled, dtype="scaled_float32")
+    scaled_out = _np(scaled(x, training=True))
+    np.testing.assert_allclose(scaled_out, plain_out, rtol=1e-5, atol=1e-5 * np.abs(plain_out).max())
+    assert len(scaled.losses) == len(plain.losses) == hm.LAYERS
+    for a, b in zip(plain.losses, scaled.losses):
+        assert tuple(b.shape) == ()
+        np.testing.assert_allclose(_np(b), _np(a), rtol=1e-5)
+    experts = [
+        layer for layer in scaled._flatten_layers(recursive=True) if "experts" in type(layer).__name__.lower()
+    ]
+    assert len(experts) == hm.LAYERS
+    for layer in experts:
+        kernels = [v for v in layer.trainable_variables if len(v.shape) == 3]
+        assert kernels and all(getattr(v, "_ksc_scaled_variable", None) is not None for v in kernels)
+    # unscalify puts plain variables back, with the same values.
+    ksc.unscalify(scaled)
+    for layer in experts:
+        assert not any(hasattr(v, "_ksc_scaled_variable") for v in layer.trainable_variables)
+    np.testing.assert_allclose(_np(scaled(x, training=True)), plain_out, rtol=1e-5, atol=1e-5 * np.abs(plain_out).max())
 
 
 @pytest.mark.parametrize("name", ALL)
