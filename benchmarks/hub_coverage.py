@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 import keras  # noqa: E402
 
 import keras_scalify as ksc  # noqa: E402
+from keras_scalify.layers.own_weights import has_own_weights  # noqa: E402
 from tests import hub_models as hm  # noqa: E402
 
 
@@ -61,10 +62,17 @@ def row(name):
         ksc.scalify(model, dtype="scaled_fp8")
     kept = [str(w.message) for w in caught if "kept as a plain" in str(w.message)]
     coverage = ksc.debug.gemm_coverage(model, x)
+    layers = model._flatten_layers(recursive=True)
     converted = collections.Counter(
         getattr(type(layer), "_scaled_class_name", type(layer).__name__)
-        for layer in model._flatten_layers(recursive=True)
+        for layer in layers
         if isinstance(layer, ksc.layers.ScaledLayer)
+    )
+    # Custom layers whose own kernels were scaled (mixture-of-experts banks).
+    converted.update(
+        f"{type(layer).__name__} (own kernels)"
+        for layer in layers
+        if has_own_weights(layer)
     )
     plain_gemms = sorted({r[1] for r in coverage["layers"] if not r[3]})
     prop = ksc.debug.propagation(model, x)
