@@ -17,8 +17,14 @@ delayed-rescaling states) and, for a compiled model, its optimizer's: the
 loaded model is the saved one, bit for bit, and training resumes where it
 stopped. `unscalify` gives the root its class back; save the unscalified
 model for a file that loads without keras_scalify.
+
+The class also makes the Keras workflow of such a model work as Keras's
+own wrappers do: `compile` with a plain optimizer (a keras-hub task's
+default included) trains through `ScaledOptimizer`, and `quantize(mode)`
+for serving quantizes the unscalified model.
 """
 
+import functools
 import importlib
 
 import keras
@@ -52,6 +58,34 @@ class ScalifiedModel:
             )
         return model
 
+    def compile(self, *args, **kwargs):
+        """The class's own `compile` (a keras-hub task's defaults
+        included); a plain Keras optimizer is then wrapped in
+        `ScaledOptimizer`, as Keras wraps one in `LossScaleOptimizer` under
+        `mixed_float16` (the compile config keeps the optimizer as given)."""
+        from keras_scalify.optimizers import ScaledOptimizer
+        from keras_scalify.optimizers.guard import scaled_variables_in
+
+        super().compile(*args, **kwargs)
+        optimizer = getattr(self, "optimizer", None)
+        if (
+            optimizer is not None
+            and not isinstance(optimizer, ScaledOptimizer)
+            and scaled_variables_in(self.trainable_variables)
+        ):
+            self.optimizer = ScaledOptimizer(optimizer)
+
+    def quantize(self, mode=None, *args, **kwargs):
+        """Serving: `unscalify` (the plain model with the trained,
+        represented weights), then Keras's `quantize` of it, in place.
+        (Keras binds each layer's `quantize` on the instance when it is
+        created: `attach` binds this one there, `detach` puts Keras's
+        back.)"""
+        from keras_scalify.convert import unscalify
+
+        unscalify(self)
+        return self.quantize(mode, *args, **kwargs)
+
     def get_build_config(self):
         # The original's build config is inside `get_config()["model"]`.
         return None
@@ -84,7 +118,9 @@ def attach(model, dtype, exclude):
     # (Plain attributes: not tracked by Keras, not torch module state.)
     object.__setattr__(model, "_ksc_original_config", config)
     object.__setattr__(model, "_ksc_scalify_calls", [call])
+    object.__setattr__(model, "_ksc_keras_quantize", model.__dict__.get("quantize"))
     object.__setattr__(model, "__class__", _scalified_class(type(model)))
+    object.__setattr__(model, "quantize", functools.partial(ScalifiedModel.quantize, model))
 
 
 def detach(model):
@@ -92,6 +128,11 @@ def detach(model):
     if not isinstance(model, ScalifiedModel):
         return
     object.__setattr__(model, "__class__", type(model)._ksc_original_class)
+    keras_quantize = model.__dict__.pop("_ksc_keras_quantize")
+    if keras_quantize is None:
+        object.__delattr__(model, "quantize")
+    else:
+        object.__setattr__(model, "quantize", keras_quantize)
     object.__delattr__(model, "_ksc_original_config")
     object.__delattr__(model, "_ksc_scalify_calls")
 

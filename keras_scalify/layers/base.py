@@ -189,6 +189,17 @@ class ScaledLayer(keras.layers.Layer):
     def policy_dtype(self, field):
         return policy_field(self.dtype_policy, field)
 
+    def _check_quantize_args(self, mode, compute_dtype):
+        # Keras runs this check first in every layer's `quantize`.
+        raise ValueError(
+            f"Layer {self.name!r} is a keras_scalify scaled layer: Keras's "
+            f"`quantize({mode!r})` applies to plain layers. Quantize the "
+            f"plain model: `keras_scalify.unscalify(model)` (the trained, "
+            f"represented weights), then `model.quantize({mode!r})`; a model "
+            f"that `scalify` converted in place does both in its own "
+            f"`quantize`."
+        )
+
     def add_scaled_weight(self, name, shape, initializer, trainable=True):
         sv = ScaledVariable(
             self,
