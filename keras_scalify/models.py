@@ -86,6 +86,14 @@ class ScalifiedModel:
         unscalify(self)
         return self.quantize(mode, *args, **kwargs)
 
+    def count_params(self):
+        """Parameters as the plain original counts them (a scaled
+        weight's data; scales and rescaling states are bookkeeping):
+        `keras_scalify.debug.count_params`."""
+        from keras_scalify.debug import count_params
+
+        return count_params(self)
+
     def get_build_config(self):
         # The original's build config is inside `get_config()["model"]`.
         return None

@@ -321,3 +321,51 @@ def test_reliability_rows():
     assert rel._skipped_bit_for_bit("scaled_fp8", rel.FAULTS[1][1])
     ((_, n, result),) = rel.tiny_inputs_fp8(steps=20, bias=-10.0)
     assert int(result) == 0
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA's compiled step (jax)")
+def test_compiled_step_counts_a_tiny_llama(capsys):
+    pytest.importorskip("keras_hub")
+    compiled_step = _load("compiled_step")
+    results = compiled_step.main(
+        ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "8",
+         "--batch-size", "2", "--vocab", "64", "--rows", "Keras mixed_bfloat16", "scaled_fp8"]
+    )
+    rows = _table_rows(capsys.readouterr().out)
+    assert {"Keras mixed_bfloat16", "scaled_fp8"} <= set(rows)
+    keras_row, scaled_row = results
+    for r in results:
+        assert r["kernels"] > 0 and r["bytes"] > 0 and r["compile_s"] > 0
+        assert 0 <= r["scalar_kernels"] <= r["kernels"]
+    # What a GPU multiplies: bfloat16 dots for Keras, FP8 for the scaled
+    # model's kernels (the attention products stay wider).
+    assert keras_row["dots"]["16-bit"] > 0.5 and keras_row["dots"]["fp8"] == 0
+    assert scaled_row["dots"]["fp8"] > 0.5
+    assert keras_row["weights"] == 12  # a 1-layer Llama's weight arrays
+
+
+def test_compiled_step_kernel_count_reads_loops_and_branches():
+    compiled_step = _load("compiled_step")
+    hlo = """HloModule m
+
+%body (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  ROOT %a = f32[] add(%p, %p)
+}
+
+%b1 (q: f32[4]) -> f32[4] {
+  %q = f32[4] parameter(0)
+  %m = f32[4] multiply(%q, %q)
+  ROOT %n = f32[4] negate(%m)
+}
+
+ENTRY %main (x: f32[4], s: f32[]) -> f32[4] {
+  %x = f32[4] parameter(0)
+  %s = f32[] parameter(1)
+  %w = f32[] while(%s), condition=%body, body=%body
+  %c = f32[4] conditional(%s, %x, %x), branch_computations={%b1, %b1}
+  ROOT %f = f32[4] fusion(%c, %w), kind=kLoop, calls=%b1
+}
+"""
+    # the loop body's add (a scalar), the larger branch's two ops, the fusion
+    assert compiled_step.kernel_counts(hlo) == (4, 1)

@@ -86,6 +86,8 @@ def test_unscalify_gives_the_class_back_and_a_plain_file(tmp_path):
     cls = type(model)
     ksc.scalify(model, dtype="scaled_fp8")
     assert type(model) is not cls and isinstance(model, cls)
+    plain = _llama_causal_lm()
+    assert model.count_params() == plain.count_params()  # scales not counted
     assert model.get_config()["scalify"] == [{"dtype": "scaled_fp8", "exclude": []}]
     ksc.unscalify(model)
     assert type(model) is cls
