@@ -324,7 +324,7 @@ def measure_torch(row, args, layers):
 
 
 def print_torch(results):
-    print("| row | graph breaks | in keras_scalify | first step (s) | compiled step (s) |")
+    print("| row | graph breaks | in keras_scalify | first step (s) | second step (s) |")
     print("|---|---|---|---|---|")
     for r in results:
         print(

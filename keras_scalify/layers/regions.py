@@ -228,6 +228,23 @@ def _plain_add_loss(add_loss):
     return wrapper
 
 
+def _dispatch_held_functions(layer):
+    """A layer built before `keras_scalify` was imported may hold original
+    `keras.ops` functions as attributes (keras-hub's `activation =
+    ops.silu`): they get their dispatch wrappers, so that its code runs
+    the same whatever the import order (the originals are kept for
+    `uninstall_regions`)."""
+    from keras_scalify.ops.dispatch import dispatching
+
+    held = {}
+    for attr, value in list(vars(layer).items()):
+        wrapper = dispatching(value)
+        if wrapper is not None:
+            held[attr] = value
+            object.__setattr__(layer, attr, wrapper)
+    object.__setattr__(layer, "_ksc_held_functions", held)
+
+
 def install_regions(root):
     """Wraps the `call` of the layers in `root`'s tree (`root` included)
     as composites or leaves (see above), and their `add_loss` so that
@@ -241,6 +258,7 @@ def install_regions(root):
         object.__setattr__(layer, "_ksc_plain_call", layer.call)
         object.__setattr__(layer, "call", wrap(layer.call))
         object.__setattr__(layer, "add_loss", _plain_add_loss(layer.add_loss))
+        _dispatch_held_functions(layer)
 
 
 def uninstall_regions(root):
@@ -250,3 +268,5 @@ def uninstall_regions(root):
             object.__delattr__(layer, "call")
             object.__delattr__(layer, "add_loss")
             object.__delattr__(layer, "_ksc_plain_call")
+            for attr, original in layer.__dict__.pop("_ksc_held_functions").items():
+                object.__setattr__(layer, attr, original)

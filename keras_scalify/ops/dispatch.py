@@ -298,6 +298,19 @@ def install_ops_dispatch():
             setattr(module, name, wrappers[id(fn)])
 
 
+def dispatching(fn):
+    """The dispatch wrapper of `fn` when `fn` is an original `keras.ops`
+    function that is wrapped now, else None: Keras code that took a
+    reference before `keras_scalify` was imported (a layer's `activation =
+    ops.silu`) holds the original."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    for module, name, original in _patched:
+        if original is fn:
+            return getattr(module, name)
+    return None
+
+
 def uninstall_ops_dispatch():
     """Put every original `keras.ops` function back."""
     while _patched:
