@@ -38,6 +38,14 @@ class ScalifiedModel:
     """Mixin of the root of a model converted in place (see the module)."""
 
     def get_config(self):
+        if isinstance(self._ksc_original_config, Exception):
+            raise NotImplementedError(
+                f"{type(self).__name__} {self.name!r} cannot be saved: its "
+                f"original class has no config "
+                f"({type(self._ksc_original_config).__name__}: "
+                f"{self._ksc_original_config}). Give it `get_config`, or "
+                f"save its weights (`save_weights`)."
+            )
         return {
             "model": self._ksc_original_config,
             "scalify": [dict(call) for call in self._ksc_scalify_calls],
@@ -121,8 +129,12 @@ def attach(model, dtype, exclude):
     if isinstance(model, ScalifiedModel):
         model._ksc_scalify_calls.append(call)
         return
-    config = keras.saving.serialize_keras_object(model)
-    config.pop("compile_config", None)  # compiled again by the outer config
+    try:
+        config = keras.saving.serialize_keras_object(model)
+    except Exception as e:  # a model without a config: saving says so
+        config = e
+    else:
+        config.pop("compile_config", None)  # compiled again by the outer config
     # (Plain attributes: not tracked by Keras, not torch module state.)
     object.__setattr__(model, "_ksc_original_config", config)
     object.__setattr__(model, "_ksc_scalify_calls", [call])
