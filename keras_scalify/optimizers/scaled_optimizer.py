@@ -102,6 +102,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 f"{inner_optimizer.gradient_accumulation_steps}, which "
                 "ScaledOptimizer does not support."
             )
+        _refuse_base_arguments(kwargs)
         if state_dtype is not None:
             state_dtype = _check_state_dtype(state_dtype, "state_dtype")
         if not isinstance(rescale_every, (int, np.integer)) or isinstance(rescale_every, bool) or rescale_every < 1:
@@ -600,6 +601,38 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+# Keras optimizer arguments the wrapper does not apply itself, with their
+# defaults (what `get_config` stores and `from_config` passes back).
+_INNER_ARGUMENTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "clipvalue": None,
+    "global_clipnorm": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+}
+_UNSUPPORTED_ARGUMENTS = {"loss_scale_factor": None, "gradient_accumulation_steps": None}
+
+
+def _refuse_base_arguments(kwargs):
+    """A base-optimizer argument given to the wrapper with a value it would
+    not honour raises: clipping, weight decay and EMA belong to the inner
+    optimizer (its `apply` runs them on the decoded weights); loss scaling
+    and gradient accumulation are not supported."""
+    for key, value in kwargs.items():
+        if key in _INNER_ARGUMENTS and value != _INNER_ARGUMENTS[key]:
+            raise ValueError(
+                f"ScaledOptimizer does not apply `{key}` itself: set it on the "
+                f"inner optimizer, e.g. `ScaledOptimizer(keras.optimizers."
+                f"AdamW(..., {key}={value!r}))`."
+            )
+        if key in _UNSUPPORTED_ARGUMENTS and value != _UNSUPPORTED_ARGUMENTS[key]:
+            raise ValueError(
+                f"ScaledOptimizer does not support `{key}` (got {value!r})."
+            )
 
 
 def _is_float(dtype):

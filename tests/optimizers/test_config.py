@@ -78,6 +78,14 @@ def test_plain_keras_layers_train_beside_scaled_ones():
         ({"inner_optimizer": "adam"}, TypeError, "inner_optimizer"),
         ({"rescale_every": 0}, ValueError, "rescale_every"),
         ({"state_dtype": "float8_e4m3fn"}, ValueError, "state_dtype"),
+        # Base arguments the wrapper would not honour: refused, not ignored.
+        ({"clipnorm": 1e-6}, ValueError, "clipnorm.*inner optimizer"),
+        ({"clipvalue": 1.0}, ValueError, "clipvalue"),
+        ({"global_clipnorm": 1.0}, ValueError, "global_clipnorm"),
+        ({"weight_decay": 0.1}, ValueError, "weight_decay"),
+        ({"use_ema": True}, ValueError, "use_ema"),
+        ({"gradient_accumulation_steps": 2}, ValueError, "gradient_accumulation_steps"),
+        ({"loss_scale_factor": 128.0}, ValueError, "loss_scale_factor"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
