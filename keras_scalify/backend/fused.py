@@ -61,13 +61,14 @@ way; elsewhere None, and the caller composes the rules.
 **Softmax** `softmax(u, axis)`: a softmax whose saturated rows are
 exactly one-hot, so their backward is exactly 0 (the scores' scale,
 2^(2k) for an attention input at 2^k, multiplies whatever is left there
-into the input gradient). TensorFlow: `exp(u - max) / sum` with IEEE
-division. Its CPU kernel without oneDNN (TensorFlow turns oneDNN on only
-for CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX, so on AMD EPYC it is
-off) multiplies by Eigen's approximate reciprocal: a one-hot row reads
-1 - 2^-24, and attention's input gradient at k = 20 came out 2^18 off.
-JAX and torch: their own softmax (they divide exactly, or multiply by an
-exact `1/sum`).
+into the input gradient). TensorFlow without oneDNN (it turns oneDNN on
+only for CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX, so on AMD EPYC it
+is off): `exp(u - max) / sum` with IEEE division, since the Eigen kernel
+multiplies by an approximate reciprocal (a one-hot row read 1 - 2^-24,
+and attention's input gradient at k = 20 came out 2^18 off). Elsewhere
+the backend's own softmax (oneDNN's, JAX's and torch's divide exactly or
+multiply by an exact `1/sum`; the composition cost TensorFlow's GPT step
+~6% where oneDNN's kernel is exact anyway).
 
 **Bias add in the GEMM node** `bias_in_gemm(x, w)`: whether a Dense
 layer's bias add (and, on eager torch, its activation) joins its GEMMs'
@@ -81,6 +82,7 @@ with backward `cotangent·b·ca` and `cotangent·a·cb` (the rule of
 side (the composition: two extra passes in the backward).
 """
 
+import functools
 import math
 
 from keras import ops
@@ -119,10 +121,24 @@ def gate(u, kind):
 def softmax(u, axis=-1):
     """Softmax over `axis` with exactly one-hot saturated rows (docstring
     of the module)."""
-    if keras_backend() != "tensorflow":
+    if not _eigen_softmax():
         return ops.softmax(u, axis=axis)
     e = ops.exp(u - ops.stop_gradient(ops.max(u, axis=axis, keepdims=True)))
     return ops.divide(e, ops.sum(e, axis=axis, keepdims=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _eigen_softmax():
+    """Whether TensorFlow runs its Eigen softmax kernel here (oneDNN off;
+    TensorFlow's own flag, read once). Where the flag cannot be read, the
+    exact composition is taken."""
+    if keras_backend() != "tensorflow":
+        return False
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return True
+    return not _pywrap_util_port.IsMklEnabled()
 
 
 def _gated_ops(a, s, kind):
