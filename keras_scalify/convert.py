@@ -28,7 +28,6 @@ of tensors, so a ScaledTensor (a named tuple) returned for a single plain
 output would be cut to its `data` by `clone_model`'s bookkeeping.
 """
 
-
 import keras
 from keras import tree
 
@@ -668,9 +667,8 @@ class _UnscalifyStep:
         return None
 
     def inside(self, root):
-        from keras_scalify.layers.regions import uninstall_regions
-
         from keras_scalify.layers.own_weights import unscale_own_weights
+        from keras_scalify.layers.regions import uninstall_regions
 
         uninstall_regions(root)
         convert_in_place(root, self.choose)

@@ -259,3 +259,28 @@ def test_load_model_saved_by_another_backend(name, saved_elsewhere):
     _assert_same_variables(loaded, [(n, saved[f"v{i}"]) for i, n in enumerate(names)])
     expected = np.load(out / f"{name}_pred.npy")
     _close(predict(loaded, inputs()[name]), expected)
+
+
+class _NoConfig(keras.Model):
+    """A subclassed model built with a non-serializable argument: Keras
+    cannot give it a config."""
+
+    def __init__(self, fn, **kwargs):
+        super().__init__(**kwargs)
+        self.fn = fn
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.fn(self.dense(x))
+
+
+def _double(t):
+    return t * 2.0
+
+
+def test_a_converted_model_without_a_config_says_why_it_cannot_be_saved(tmp_path):
+    model = _NoConfig(_double)
+    model(np.ones((2, 3), "float32"))
+    ksc.scalify(model)  # converts and trains; only saving needs a config
+    with pytest.raises(NotImplementedError, match="(?s)cannot be saved.*get_config"):
+        model.save(str(tmp_path / "m.keras"))
