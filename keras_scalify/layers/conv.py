@@ -110,10 +110,10 @@ class _ScaledConv(KernelBiasMixin, ScaledLayer):
             else None
         )
 
-    def _conv(self, x, w):
+    def _conv(self, x, w, operand_dtype=None):
         return sops.conv(
             x, w, self.strides, self.padding, self.data_format, self.dilation_rate,
-            calibrated=(None, self._kernel.calibrated),
+            calibrated=(None, self._kernel.calibrated), operand_dtype=operand_dtype,
         )
 
     def call(self, inputs):
@@ -127,7 +127,9 @@ class _ScaledConv(KernelBiasMixin, ScaledLayer):
         gd = self.policy_dtype("grad_dtype")
         if keras.src.backend.standardize_dtype(mm) in FP8_DTYPES:
             self._fp8_route = "simulate"
-        y = self._conv(sops.cast_on_forward(x, mm), sops.cast_on_forward(self._kernel.read(), mm))
+            y = self._conv(sops.cast_on_forward(x, mm), sops.cast_on_forward(self._kernel.read(), mm))
+        else:  # (the kernel cast inside: its gradient in its master dtype)
+            y = self._conv(x, self._kernel.read(), operand_dtype=mm)
         y = sops.cast_on_backward(y, gd)
         dtype = keras.src.backend.standardize_dtype(self.compute_dtype)
         if self._bias is None and self._act is None:

@@ -10,6 +10,7 @@ from keras_scalify.backend import scalar as S
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops._common import logical_not
+from keras_scalify.ops.linalg import cast_contraction
 from keras_scalify.ops.linalg import contraction_plus
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import gate_kind
@@ -97,12 +98,9 @@ def policy_matmul(layer, subscripts_or_none, x, w, epilogue=False, calibrated=No
             y = sops.fp8_einsum(subscripts_or_none, x, w, mm, gd, out_dtype=out, calibrated=cal)
         layer._fp8_route = fp8.last_fp8_route()
         return y
-    x = sops.cast_on_forward(x, mm)
-    w = sops.cast_on_forward(w, mm)
-    if subscripts_or_none is None:
-        y = sops.matmul(x, w, calibrated=cal)
-    else:
-        y = sops.einsum(subscripts_or_none, x, w, calibrated=cal)
+    # (The weight is cast inside the contraction: its gradient comes back
+    # in its master dtype without a rounding to the matmul dtype.)
+    y = cast_contraction(subscripts_or_none, x, w, mm, calibrated=cal)
     y = sops.cast_on_backward(y, gd)
     cd = layer.compute_dtype
     if y.dtype != dtype_name(cd):

@@ -20,6 +20,8 @@ from keras_scalify.backend import scalar as S
 from keras_scalify.backend.scalar import memoize_scalars
 from keras_scalify.backend.gemm import grad_equations
 from keras_scalify.backend.gemm import has_float32_gemm
+from keras_scalify.backend.gemm import same
+from keras_scalify.backend.scalar import dtype_name
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
@@ -153,7 +155,7 @@ def _split_multiplier(multiplier):
 
 def _contract(
     fn, operands, k, out_shape, prescale=None, gemms=None, out_dtype=None, quantized=False,
-    calibrated=None, multiplier=None, out_factor=None,
+    calibrated=None, multiplier=None, out_factor=None, operand_dtype=None,
 ):
     """Apply `fn` to the data of `operands` with the contraction rule.
 
@@ -164,7 +166,10 @@ def _contract(
     with `rescale` / `scale_grad` around it (below). `multiplier` (with
     `gemms` only): see `einsum`. `out_factor` (with `gemms` only): the
     result is `rebalance(result, out_factor)`'s, the factor in the forward
-    GEMM's (`rebalanced_einsum`)."""
+    GEMM's (`rebalanced_einsum`). `operand_dtype` (generic path): `fn`
+    takes the operands cast to it, after their cotangent factors, so that
+    each cotangent is multiplied in its operand's own dtype
+    (`cast_contraction`)."""
     sc = tuple(scalars(x) for x in operands)
     r = static_pow2_sqrt(k)
     size_out = static_count(out_shape)
@@ -192,7 +197,7 @@ def _contract(
     # cotangent is multiplied by beta (the GEMMs see unit-scale operands)
     # and each input by the rest of its factor c_i/r.
     if prescale is None:
-        prescale = any(x.dtype == "float16" for x in operands)
+        prescale = "float16" in [operand_dtype] + [x.dtype for x in operands]
     one = 1.0
     inv_r = 1.0 / r
     datas = []
@@ -203,8 +208,58 @@ def _contract(
             datas.append(scale_grad(x.data, c / beta))
         else:
             datas.append(scale_grad(x.data, c / (r * beta)))
+    if operand_dtype is not None:
+        datas = [_cast_data(d, operand_dtype) for d in datas]
     out = rescale(fn(*datas), one if prescale else inv_r, beta)
     return ScaledTensor(out, scale, g)
+
+
+def _cast_data(x, dtype):
+    """`x` (a tensor) cast to `dtype`, unless it has it."""
+    return x if dtype_name(x.dtype) == dtype else ops.cast(x, dtype)
+
+
+def cast_contraction(subscripts, x, w, operand_dtype, calibrated=None):
+    """`einsum(subscripts, x, w)` (`matmul` for `subscripts=None`) on data
+    cast to the 16/32-bit `operand_dtype`, `w`'s cast inside the
+    contraction: the forward GEMM takes the cast data (output in
+    `operand_dtype`), and `w`'s cotangent comes back in `w`'s own dtype,
+    the GEMM's float32 result times its factor, never rounded to
+    `operand_dtype` on the way: a float32 master weight's gradient beyond
+    float16's range (outputs ~2^20 while its grad scale is a guess) stays
+    finite. `x` is cast outside (`cast_on_forward`). Rule: as `einsum`
+    (`matmul`); `calibrated` as in `matmul`."""
+    from keras_scalify.ops.casting import cast_on_forward
+
+    operand_dtype = _check_out_dtype(operand_dtype)
+    x = cast_on_forward(x, operand_dtype)
+    a = x if is_scaled(x) else promote(x, w, "x")
+    b = w if is_scaled(w) else promote(w, a, "w")
+    if dtype_name(b.dtype) == operand_dtype:
+        return _einsum(subscripts, (a, b), None, calibrated, None, None) if subscripts else matmul(
+            a, b, calibrated=calibrated
+        )
+    if subscripts is None:
+        subscripts = _weight_equation(a, b)
+        if subscripts is None:
+            raise ValueError(f"`w` must be 2-D for a matmul, got shape {tuple(b.shape)}.")
+    subscripts = subscripts.replace(" ", "")
+    k = _parse_einsum(subscripts, [a.shape, b.shape])
+    out_shape = _einsum_shape(subscripts, (a, b))
+    calibrated = _check_calibrated(calibrated, 2)
+    equation = _two_operand_equation(subscripts, (a, b))
+    if equation is not None and has_float32_gemm(operand_dtype):
+        gemms = contraction_gemms(equation, tuple(static_dim(d) for d in b.shape))
+        gemms = gemms._replace(quantize=(same, lambda d: _cast_data(d, operand_dtype), same))
+        return _contract(
+            None, [a, b], k, out_shape, gemms=gemms, out_dtype=operand_dtype, quantized=True,
+            calibrated=calibrated,
+        )
+
+    def fn(*datas):
+        return ops.einsum(subscripts, *datas)
+
+    return _contract(fn, [a, b], k, out_shape, calibrated=calibrated, operand_dtype=operand_dtype)
 
 
 def contraction_plus(
@@ -533,18 +588,27 @@ def _einsum(subscripts, operands, out_dtype, calibrated, multiplier, out_factor)
 
 def conv(
     inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1, *,
-    calibrated=None,
+    calibrated=None, operand_dtype=None,
 ):
     """Rule: as `matmul`, K the kernel's fan-in (`prod(kernel.shape[:-1])`,
     window × input channels per group): `s = sx·sw·P(sqrt(K))`,
     `d = conv(data)/P(sqrt(K))`. Arguments as `keras.ops.conv`;
-    `calibrated` as in `matmul`."""
+    `calibrated` as in `matmul`. `operand_dtype` (keyword, ours): a
+    16/32-bit float the convolution takes its data in, the kernel cast
+    inside, its cotangent returned in its own dtype (`cast_contraction`)."""
     check_input("inputs", inputs)
     check_input("kernel", kernel)
     if not (is_scaled(inputs) or is_scaled(kernel)):
         return ops.conv(inputs, kernel, strides, padding, data_format, dilation_rate)
     like = inputs if is_scaled(inputs) else kernel
-    x, w = same_dtype([promote(inputs, like, "inputs"), promote(kernel, like, "kernel")])
+    operands = [promote(inputs, like, "inputs"), promote(kernel, like, "kernel")]
+    if operand_dtype is None:
+        x, w = same_dtype(operands)
+    else:
+        from keras_scalify.ops.casting import cast_on_forward
+
+        operand_dtype = _check_out_dtype(operand_dtype)
+        x, w = cast_on_forward(operands[0], operand_dtype), operands[1]
     k = static_count(w.shape[:-1])
 
     def fn(a, b):
@@ -553,7 +617,10 @@ def conv(
     out_shape = _result_shape(
         ("conv", repr((strides, padding, data_format, dilation_rate))), fn, (x, w)
     )
-    return _contract(fn, [x, w], k, out_shape, calibrated=_check_calibrated(calibrated, 2))
+    return _contract(
+        fn, [x, w], k, out_shape, calibrated=_check_calibrated(calibrated, 2),
+        operand_dtype=operand_dtype,
+    )
 
 
 def _weight_equation(a, b):

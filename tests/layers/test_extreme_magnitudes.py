@@ -237,3 +237,55 @@ def test_layer_norm_where_epsilon_dominates(policy, k, rng):
     ref = x0.astype(np.float64) * 2.0**k
     ref = (ref - ref.mean(-1, keepdims=True)) / np.sqrt(ref.var(-1, keepdims=True) + 1e-3)
     assert _rel(y_norm, ref) < 1e-5 or np.abs(ref).max() < 1e-30
+
+
+# The unit roundoff of each 16-bit format: the loss of a model whose inputs,
+# weights and activations are rounded to it is within a few of them of float32's.
+_UNIT_ROUNDOFF = {"scaled_fp16": 2.0**-11, "scaled_bf16": 2.0**-8}
+
+
+def _dense_models():
+    layers = lambda ns, dtype: [  # noqa: E731
+        keras.Input((16,)), ns.Dense(32, activation="relu", **dtype), ns.Dense(4, **dtype)
+    ]
+    return (16,), (4,), layers
+
+
+def _conv_models():
+    layers = lambda ns, dtype: [  # noqa: E731
+        keras.Input((8, 2)), ns.Conv1D(8, 3, activation="relu", **dtype), ns.Conv1D(4, 6, **dtype)
+    ]
+    return (8, 2), (1, 4), layers
+
+
+class _Scaled:
+    Dense, Conv1D = ksc.layers.ScaledDense, ksc.layers.ScaledConv1D
+
+
+@pytest.mark.parametrize("models", [_dense_models, _conv_models], ids=["dense", "conv"])
+@pytest.mark.parametrize("policy", sorted(_UNIT_ROUNDOFF))
+def test_outputs_past_float16_train_from_the_first_step(policy, models):
+    """A model whose inputs, outputs and targets are ~2^20 (an MSE ~2^41,
+    far past float16's range) trains from its first step under a 16-bit
+    policy: while its weights' grad scales are still guesses, their
+    gradients (~2^33 in data units) come back in the float32 master dtype
+    instead of overflowing the matmul dtype, so no step is skipped, and
+    the losses follow float32 Keras's from the same weights."""
+    in_shape, out_shape, layers = models()
+    rs = np.random.RandomState(0)
+    x = (rs.normal(size=(64,) + in_shape) * 2.0**20).astype("float32")
+    y = (rs.normal(size=(64,) + out_shape) * 2.0**20).astype("float32")
+
+    def train(model, optimizer):
+        model.compile(optimizer=optimizer, loss="mse")
+        return [float(model.train_on_batch(x, y)) for _ in range(6)]
+
+    scaled = keras.Sequential(layers(_Scaled, {"dtype": policy}))
+    plain = keras.Sequential(layers(keras.layers, {}))
+    for s_layer, p_layer in zip(scaled.layers, plain.layers):
+        p_layer.set_weights([to_np(s_layer.kernel.value), to_np(s_layer.bias.value)])
+    optimizer = ksc.ScaledOptimizer(keras.optimizers.Adam(1e-3))
+    got = train(scaled, optimizer)
+    want = train(plain, keras.optimizers.Adam(1e-3))
+    assert int(to_np(optimizer.skipped_steps)) == 0, got
+    np.testing.assert_allclose(got, want, rtol=16 * _UNIT_ROUNDOFF[policy])
