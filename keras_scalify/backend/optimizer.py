@@ -64,9 +64,11 @@ _GENERIC = (
 )
 
 
-def ghost_variable(shape, name, path=None):
+def ghost_variable(shape, name, path=None, layout=None):
     """A float32 Keras variable of `shape` that holds no storage (`path`:
-    the model variable it stands for, so slots are named after it)."""
+    the model variable it stands for, so slots are named after it;
+    `layout`: that variable's layout under a `keras.distribution`, which
+    Keras's `add_variable_from_reference` gives the slots made for it)."""
     with keras.StatelessScope(initialize_variables=False):
         v = keras.Variable(
             initializer="zeros", shape=shape, dtype="float32", trainable=False, name=name
@@ -76,6 +78,8 @@ def ghost_variable(shape, name, path=None):
         pending[:] = [p for p in pending if p is not v]
     if path is not None:
         v._path = path
+    if layout is not None:
+        v._layout = layout
     v._ksc_ghost = True
     return v
 

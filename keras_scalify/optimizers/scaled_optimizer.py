@@ -139,7 +139,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         for v in var_list:
             sv = getattr(v, "_ksc_scaled_variable", None)
             if sv is not None and v is sv.data:
-                ghost = ghost_variable(v.shape, v.name, v.path)
+                ghost = ghost_variable(v.shape, v.name, v.path, getattr(v, "_layout", None))
                 ghost.constraint = v.constraint
                 self._entries.append(("weight", sv, ghost))
                 inner_vars.append(ghost)
@@ -186,13 +186,15 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
     def _make_slot(self, shape, initializer="zeros", dtype=None, aggregation="none", layout=None, name=None):
         """Stands in for the inner optimizer's `add_variable` during its build:
         float slots become a float32 ghost (what the inner rule sees) plus
-        stored data (and a pow2 scale) owned by this optimizer."""
+        stored data (and a pow2 scale) owned by this optimizer. The stored
+        data takes `layout` (its weight's, under a `keras.distribution`);
+        the scalar scale is replicated."""
         if dtype is not None and not _is_float(dtype):
             return type(self.inner_optimizer).add_variable(
                 self.inner_optimizer, shape, initializer, dtype, aggregation, layout, name
             )
         shape = tuple(shape)
-        ghost = ghost_variable(shape, name)
+        ghost = ghost_variable(shape, name, layout=layout)
         init = keras.initializers.get(initializer)
         dtype = self._resolved_state_dtype
 
@@ -205,7 +207,8 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             return initializer
 
         stored = self.add_variable(
-            shape=shape, initializer=encoded(0), dtype=dtype, aggregation=aggregation, name=name
+            shape=shape, initializer=encoded(0), dtype=dtype, aggregation=aggregation, name=name,
+            layout=layout,
         )
         stored_scale = None
         if dtype != "float32":
