@@ -1,6 +1,7 @@
 """A small GPT trained in FP32, FP16 and FP8 — the rows of the paper's Table 3.
 
-    KERAS_BACKEND=jax python examples/gpt.py            # all rows, ~30 min on 2 CPU cores
+    KERAS_BACKEND=jax python examples/gpt.py --rows keras_fp32 3   # Keras float32 beside scaled_fp8
+    KERAS_BACKEND=jax python examples/gpt.py            # all rows
     KERAS_BACKEND=jax python examples/gpt.py --quick    # one-minute smoke run
     python examples/gpt.py --text my.txt --steps 2000 --rows 0 3 keras_float8
     KERAS_BACKEND=jax python examples/gpt.py --arch llama   # a keras-hub Llama
@@ -37,9 +38,12 @@ scaling with amax histories) and `keras_mixed_float16` (no loss scaling).
 All rows use AdamW (`ksc.ScaledOptimizer(AdamW)` for scaled rows) with a
 warm-up + cosine schedule.
 
-Prints a table of final train loss (mean of the last 10% of steps) and
-validation loss (mean over fixed held-out batches) per row, each relative
-to #0, and writes the loss curves to `--plot` (PNG, needs matplotlib).
+Shows Keras's progress bar for each stretch of `--eval-every` steps
+(`--quiet`: none), then prints a table of final train loss (mean of the
+last 10% of evaluations) and validation loss (mean over fixed held-out
+batches) per row, each relative to #0 (or to Keras float32 when #0 is not
+run), the loss curves as a table (train / validation loss at each
+evaluation), and writes them to `--plot` (PNG, needs matplotlib).
 """
 
 import argparse
@@ -231,11 +235,13 @@ def train_row(key, args, data_train, val_x, val_y):
         x, y = windows(data_train, starts, args.seq_len)
         chunk = args.eval_every * args.batch_size
         curve, train_losses = [], []
+        if not args.quiet:
+            print(f"--- {label} (policy {keras.config.dtype_policy().name}) ---", flush=True)
         t0 = time.time()
         for i in range(0, len(x), chunk):
             h = model.fit(
                 x[i : i + chunk], y[i : i + chunk], batch_size=args.batch_size,
-                epochs=1, shuffle=False, verbose=0,
+                epochs=1, shuffle=False, verbose=0 if args.quiet else 1,
             )
             train_losses.append(h.history["loss"][-1])
             val = model.evaluate(val_x, val_y, batch_size=args.batch_size, verbose=0)
@@ -287,6 +293,20 @@ def plot(results, path, arch="gpt"):
     print(f"loss curves written to {path}")
 
 
+def format_curves(results):
+    """The loss curves as a markdown table: train / validation loss per evaluation."""
+    rows = list(results.values())
+    lines = [
+        "\nLoss curves (train / validation loss, nats per byte):\n",
+        "| step | " + " | ".join(r["label"] for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    for j, (step, *_rest) in enumerate(rows[0]["curve"]):
+        cells = [f"{r['curve'][j][1]:.4f} / {r['curve'][j][2]:.4f}" for r in rows]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Table 3 rows on a small byte-level GPT.")
     p.add_argument("--text", default=None, help="a text file (default: pydoc_data.topics)")
@@ -329,13 +349,16 @@ def main(argv=None):
     results = {}
     for key in args.rows:
         results[key] = train_row(key, args, train, val_x, val_y)
-    base = results.get("0")
-    print("\n| row | train loss | val loss | val vs #0 | skipped steps | time (s) |")
+    base_key = "0" if "0" in results else "keras_fp32"
+    base = results.get(base_key)
+    base_name = ROWS[base_key][0] if base_key != "0" and base else "#0"
+    print(f"\n| row | train loss | val loss | val vs {base_name} | skipped steps | time (s) |")
     print("|---|---|---|---|---|---|")
     for r in results.values():
         delta = f"{r['val'] - base['val']:+.3f}" if base else "—"
         skipped = "—" if r["skipped"] is None else str(r["skipped"])
         print(f"| {r['label']} | {r['train']:.4f} | {r['val']:.4f} | {delta} | {skipped} | {r['seconds']:.0f} |")
+    print(format_curves(results))
     if args.plot:
         plot(results, args.plot, args.arch)
     return results
