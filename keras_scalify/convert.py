@@ -593,6 +593,7 @@ def scalify(model, dtype=None, exclude=()):
     if isinstance(exclude, (str, type)):
         exclude = (exclude,)
     exclude = tuple(exclude)
+    _check_distribution(model)
 
     def make_step(names, called):
         return _ScalifyStep(names, called, dtype, exclude)
@@ -603,6 +604,23 @@ def scalify(model, dtype=None, exclude=()):
     models.attach(model, dtype, exclude)
     make_step(None, None).inside(model)
     return _finish(model, model)
+
+
+def _check_distribution(model):
+    """A model whose variables were laid out by a `keras.distribution` is
+    converted inside that distribution's scope: the scaled layers' new
+    variables take their layouts from it when they are created (outside
+    it, they would live on one device beside the sharded ones)."""
+    if keras.distribution.distribution() is not None:
+        return
+    laid_out = [v.path for v in model.variables if getattr(v, "_layout", None) is not None]
+    if laid_out:
+        raise ValueError(
+            f"`model`'s variables were created under a keras.distribution "
+            f"(e.g. {laid_out[0]!r}): call `scalify` inside the same "
+            f"distribution's scope (`with distribution.scope(): "
+            f"ksc.scalify(model, ...)`)."
+        )
 
 
 def _plain_dtype_of(layer):

@@ -2,7 +2,9 @@
 CPU devices, in a subprocess: the device count is fixed when jax starts):
 `ModelParallel` with the backbone's own `get_layout_map` and
 `DataParallel` train as one device does, and `ScaledOptimizer`'s slots
-are sharded as their weights are (scales and grad scales replicated)."""
+are sharded as their weights are (scales and grad scales replicated);
+`scalify` of a distributed model outside the distribution's scope is
+refused with the fix."""
 
 import json
 import os
@@ -72,6 +74,13 @@ out["weights"] = specs(lm.trainable_variables)
 out["slots"] = specs(lm.optimizer.variables)
 out["scalars_sharded"] = [v.path for v in lm.variables + lm.optimizer.variables
                           if v.value.ndim < 2 and not v.value.sharding.is_fully_replicated]
+# Built under the distribution, converted outside its scope: refused.
+with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+    lm = tasks[family](backbone=backbones[family](**config), preprocessor=None)
+try:
+    ksc.scalify(lm, dtype=policy)
+except ValueError as e:
+    out["outside"] = str(e)
 print("RESULT" + json.dumps(out))
 """
 
@@ -108,3 +117,4 @@ def test_model_and_data_parallel_train_as_one_device(family, policy):
     assert len(sharded) >= 7, out["weights"]
     assert out["slots"] == sorted(out["weights"] * 2), out
     assert out["scalars_sharded"] == []
+    assert "inside the same distribution's scope" in out.get("outside", ""), out.get("outside")
