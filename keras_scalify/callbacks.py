@@ -97,12 +97,6 @@ def _replace_first_scaled(outputs, fn):
     return map_scaled(replace, outputs)
 
 
-def _first_scaled(outputs):
-    found = []
-    _replace_first_scaled(outputs, lambda x: found.append(x) or x)
-    return found[0] if found else None
-
-
 @contextlib.contextmanager
 def _capturing(model, on_output):
     """While open, each call of a scaled layer inside `model` reports its

@@ -58,17 +58,6 @@ def stats(x, dtype=None):
     }
 
 
-def format_stats(x, dtype=None, name="tensor"):
-    """`stats` as one printable line (eager only)."""
-    s = {k: float(ops.convert_to_numpy(v)) for k, v in stats(x, dtype).items()}
-    return (
-        f"{name}: rms={s['data_rms']:.3g} scale=2^{int(s['scale_exponent'])} "
-        f"underflow={s['underflow_fraction']:.2%} "
-        f"saturated={s['saturation_fraction']:.2%} "
-        f"nonfinite={s['nonfinite_fraction']:.2%}"
-    )
-
-
 def scaled_value_and_grad(fn):
     """`fn(*args) -> loss` to `(loss, grads)`.
 

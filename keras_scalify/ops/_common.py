@@ -190,19 +190,6 @@ def static_count(shape):
     return n
 
 
-def static_size(shape, axes, name="x"):
-    n = 1
-    for a in axes:
-        d = shape[a]
-        if d is None:
-            raise ValueError(
-                f"`{name}` needs a static size along axis {a} for its scale "
-                f"rule; got shape {tuple(shape)}."
-            )
-        n *= int(d)
-    return n
-
-
 def stop(x):
     return S.stop_gradient(x)
 
