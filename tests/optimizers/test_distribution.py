@@ -4,7 +4,8 @@ CPU devices, in a subprocess: the device count is fixed when jax starts):
 `DataParallel` train as one device does, and `ScaledOptimizer`'s slots
 are sharded as their weights are (scales and grad scales replicated);
 `scalify` of a distributed model outside the distribution's scope is
-refused with the fix."""
+refused with the fix; a model saved from a sharded run loads on one
+device and resumes training as the sharded one goes on."""
 
 import json
 import os
@@ -74,6 +75,15 @@ out["weights"] = specs(lm.trainable_variables)
 out["slots"] = specs(lm.optimizer.variables)
 out["scalars_sharded"] = [v.path for v in lm.variables + lm.optimizer.variables
                           if v.value.ndim < 2 and not v.value.sharding.is_fully_replicated]
+# Saved from the sharded run, loaded on one device: the same weights, and
+# training resumes with the losses the sharded model goes on with.
+path = {path!r}
+lm.save(path)
+with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
+    out["resumed_sharded"] = [float(np.ravel(lm.train_on_batch(x, y))[0]) for _ in range(2)]
+loaded = keras.saving.load_model(path)
+out["loaded_sharded"] = specs(loaded.variables)
+out["resumed_loaded"] = [float(np.ravel(loaded.train_on_batch(x, y))[0]) for _ in range(2)]
 # Built under the distribution, converted outside its scope: refused.
 with keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope():
     lm = tasks[family](backbone=backbones[family](**config), preprocessor=None)
@@ -93,7 +103,7 @@ RTOL = {"scaled_float32": 1e-5, "scaled_fp16": 1e-3, "scaled_fp8": 1e-3}
     "family, policy",
     [("llama", "scaled_float32"), ("gemma", "scaled_fp8"), ("qwen", "scaled_fp16")],
 )
-def test_model_and_data_parallel_train_as_one_device(family, policy):
+def test_model_and_data_parallel_train_as_one_device(family, policy, tmp_path):
     env = dict(
         os.environ, KERAS_BACKEND="jax",
         # (8 devices on 2 busy cores: a device may reach a collective
@@ -103,7 +113,7 @@ def test_model_and_data_parallel_train_as_one_device(family, policy):
         " --xla_cpu_collective_call_terminate_timeout_seconds=900",
     )
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(root=ROOT, family=family, policy=policy)],
+        [sys.executable, "-c", SCRIPT.format(root=ROOT, family=family, policy=policy, path=str(tmp_path / "lm.keras"))],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,3 +128,5 @@ def test_model_and_data_parallel_train_as_one_device(family, policy):
     assert out["slots"] == sorted(out["weights"] * 2), out
     assert out["scalars_sharded"] == []
     assert "inside the same distribution's scope" in out.get("outside", ""), out.get("outside")
+    assert out["loaded_sharded"] == []
+    assert out["resumed_loaded"] == pytest.approx(out["resumed_sharded"], rel=RTOL[policy])
