@@ -369,3 +369,22 @@ ENTRY %main (x: f32[4], s: f32[]) -> f32[4] {
 """
     # the loop body's add (a scalar), the larger branch's two ops, the fusion
     assert compiled_step.kernel_counts(hlo) == (4, 1)
+
+
+def test_memory_per_device_table(capsys):
+    """`benchmarks/memory_per_device.py` on a small abstract Llama (the
+    8-device check is left to the script): scaled_fp8 holds half of Keras's
+    bytes for the weights it scales, and float16 state halves the state."""
+    pytest.importorskip("keras_hub")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras.distribution layouts: jax")
+    module = _load("memory_per_device")
+    module.main(["--d-model", "512", "--layers", "2", "--heads", "8", "--kv-heads", "4",
+                 "--intermediate", "1024", "--vocab", "4096", "--no-check"])
+    rows = _table_rows(capsys.readouterr().out)
+    keras_total = float(rows["Keras mixed_bfloat16"][3])
+    fp8 = [float(c) for c in rows["scaled_fp8"][:4]]
+    fp8_half = [float(c) for c in rows["scaled_fp8, float16 state"][:4]]
+    assert fp8[0] < 0.6 * float(rows["Keras mixed_bfloat16"][0])
+    assert fp8_half[2] < 0.6 * fp8[2]
+    assert fp8_half[3] < fp8[3] < keras_total
