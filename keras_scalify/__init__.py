@@ -7,6 +7,7 @@ from keras_scalify import layers
 from keras_scalify import models
 from keras_scalify import ops
 from keras_scalify import optimizers
+from keras_scalify import patches
 from keras_scalify import plot
 from keras_scalify import policies
 from keras_scalify.convert import scalify
@@ -23,7 +24,5 @@ from keras_scalify.policies import ScaledDTypePolicy
 from keras_scalify.policies import install_policy_hook
 from keras_scalify.policies import set_dtype_policy
 from keras_scalify.policies import uninstall_policy_hook
-
-install_ops_dispatch()
 
 __version__ = "0.1.0"

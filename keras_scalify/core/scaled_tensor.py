@@ -25,6 +25,18 @@ def _is_tensor_like(x):
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+# What the first ScaledTensor made in this process runs, once: the
+# wrappers of Keras that only scaled values need register here
+# (`keras_scalify/patches.py`), so that importing keras_scalify changes
+# nothing in Keras until scaled values exist.
+ON_FIRST_SCALED_TENSOR = []
+
+
+def _run_first_use_hooks():
+    while ON_FIRST_SCALED_TENSOR:
+        ON_FIRST_SCALED_TENSOR.pop(0)()
+
+
 class ScaledTensor(
     collections.namedtuple("ScaledTensor", ["data", "scale", "grad_scale"])
 ):
@@ -65,6 +77,8 @@ class ScaledTensor(
         raise TypeError("A ScaledTensor is not a tf.Tensor. " + _PLAIN_OP_HINT)
 
     def __new__(cls, data, scale, grad_scale=None):
+        if ON_FIRST_SCALED_TENSOR:
+            _run_first_use_hooks()
         if S.valid_scaled_fields(data, scale, grad_scale):
             return tuple.__new__(cls, (data, scale, grad_scale))
         if _is_number(scale) or _is_number(grad_scale):

@@ -5,6 +5,7 @@ import numpy as np
 from keras import ops
 
 from keras_scalify.core import pow2
+from keras_scalify.core.scaled_tensor import ON_FIRST_SCALED_TENSOR
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.base import ScaledLayer
@@ -151,7 +152,16 @@ def install_plain_layer_guard():
     layer_cls._assert_input_compatibility = _assert_input_compatibility
 
 
-install_plain_layer_guard()
+def uninstall_plain_layer_guard():
+    """Restore `Layer._assert_input_compatibility` (undo
+    `install_plain_layer_guard`)."""
+    layer_cls = keras.layers.Layer
+    wrapper = getattr(layer_cls, "_assert_input_compatibility", None)
+    if getattr(wrapper, "_keras_scalify_guard", False):
+        layer_cls._assert_input_compatibility = wrapper.__wrapped__
+
+
+ON_FIRST_SCALED_TENSOR.append(install_plain_layer_guard)
 
 
 # --- models return plain tensors --------------------------------------------
@@ -213,4 +223,4 @@ def uninstall_plain_outputs():
         cls.__init__ = wrapper.__wrapped__
 
 
-install_plain_outputs()
+ON_FIRST_SCALED_TENSOR.append(install_plain_outputs)

@@ -13,6 +13,10 @@ from keras_scalify.ops._common import rescale
 
 MASTER_DTYPES = ("float32", "float16", "bfloat16")
 
+# What the first ScaledVariable made in this process runs, once (the
+# optimizer guard registers here: `keras_scalify/patches.py`).
+ON_FIRST_SCALED_VARIABLE = []
+
 
 def read_tensor(variable):
     """The current value of a Keras variable as a backend tensor, read
@@ -87,6 +91,8 @@ class ScaledVariable:
         trainable=True,
         state_dtype="float32",
     ):
+        while ON_FIRST_SCALED_VARIABLE:
+            ON_FIRST_SCALED_VARIABLE.pop(0)()
         master_dtype = standardize_dtype(master_dtype)
         if master_dtype in FP8_DTYPES or master_dtype not in MASTER_DTYPES:
             raise ValueError(

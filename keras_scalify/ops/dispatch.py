@@ -2,11 +2,12 @@
 
 Keras code — custom layers, keras-hub blocks, `Lambda` layers, Keras's own
 layers — calls `keras.ops` functions, which know nothing of ScaledTensors
-(a named tuple would be packed into one array of three). Importing
-`keras_scalify` wraps the public functions of `keras.ops` (and of the
-`keras.src.ops` namespace Keras's own layers use) so that a call with a
-ScaledTensor among its arguments (directly, or in a list/tuple/dict
-argument):
+(a named tuple would be packed into one array of three). When the
+process makes its first ScaledTensor (not at import: `import keras_scalify`
+leaves `keras.ops` as it is), keras_scalify wraps the public functions of
+`keras.ops` (and of the `keras.src.ops` namespace Keras's own layers use)
+so that a call with a ScaledTensor among its arguments (directly, or in a
+list/tuple/dict argument):
 
 - goes to the `keras_scalify.ops` function of the same name when there is
   one and the call's arguments fit its signature (`add`, `multiply`,
@@ -32,6 +33,7 @@ import importlib
 import inspect
 import types
 
+from keras_scalify.core.scaled_tensor import ON_FIRST_SCALED_TENSOR
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import map_scaled
 
@@ -276,7 +278,10 @@ def _make_wrapper(name, original):
 
 
 def install_ops_dispatch():
-    """Wrap the `keras.ops` functions (once; see the module docstring)."""
+    """Wrap the `keras.ops` functions (once; see the module docstring).
+    Runs by itself when the first ScaledTensor is made; a Keras function
+    that no ScaledTensor reaches computes as before, the wrapper calling
+    it."""
     if _patched:
         return
     wrappers = {}
@@ -305,6 +310,7 @@ def dispatching(fn):
     ops.silu`) holds the original."""
     if not isinstance(fn, types.FunctionType):
         return None
+    install_ops_dispatch()  # (a region may run before any ScaledTensor exists)
     for module, name, original in _patched:
         if original is fn:
             return getattr(module, name)
@@ -312,7 +318,10 @@ def dispatching(fn):
 
 
 def uninstall_ops_dispatch():
-    """Put every original `keras.ops` function back."""
+    """Put every original `keras.ops` function back, until
+    `install_ops_dispatch()` runs again: called by you, or by the next
+    scaled region (a converted keras-hub block), whose Keras code needs it
+    (`dispatching`)."""
     while _patched:
         module, name, original = _patched.pop()
         setattr(module, name, original)
@@ -322,3 +331,6 @@ def getitem(x, key):
     """`x[key]` of a ScaledTensor (not an int key): the data indexed, scale
     and grad scale unchanged (indexing does not change values)."""
     return ScaledTensor(x.data[key], x.scale, x.grad_scale)
+
+
+ON_FIRST_SCALED_TENSOR.append(install_ops_dispatch)

@@ -2,5 +2,3 @@
 
 from keras_scalify.optimizers import guard
 from keras_scalify.optimizers.scaled_optimizer import ScaledOptimizer
-
-guard.install()

@@ -4,12 +4,14 @@ The trainable `data` of a `ScaledVariable` is not the weight: the weight is
 `data × scale`, and the data's gradient is `true_gradient / grad_scale`.
 A plain optimizer would train the data parametrization (SGD's step would
 grow with scale²) and overwrite the scales with their (zero) gradients.
-`BaseOptimizer.build` is wrapped on import so that any optimizer other than
-`ScaledOptimizer` raises when it is built on such weights; `uninstall`
-restores it.
+`BaseOptimizer.build` is wrapped when the first `ScaledVariable` is made
+so that any optimizer other than `ScaledOptimizer` raises when it is built
+on such weights; `uninstall` restores it.
 """
 
 from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+from keras_scalify.layers.variable import ON_FIRST_SCALED_VARIABLE
 
 _ORIGINAL = {}
 
@@ -43,3 +45,6 @@ def uninstall():
     """Restore `BaseOptimizer.build`."""
     if "build" in _ORIGINAL:
         BaseOptimizer.build = _ORIGINAL.pop("build")
+
+
+ON_FIRST_SCALED_VARIABLE.append(install)

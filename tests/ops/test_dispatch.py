@@ -346,3 +346,43 @@ def test_a_keras_variable_operand_keeps_its_gradient(rng):
         weights.append(to_np(model.layers[0].w))
     assert not np.allclose(weights[0], 1.0)
     assert_close(weights[1], weights[0], rtol=1e-6)
+
+
+def test_importing_changes_no_keras_function():
+    """`import keras_scalify` wraps only the policy-name functions (a fresh
+    process: this one has made ScaledTensors); the first ScaledTensor
+    installs the `keras.ops` dispatch, the plain-output and plain-layer
+    wrappers, the first ScaledVariable the optimizer guard, and
+    `ksc.patches.uninstall()` puts every original back."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import keras, numpy as np\n"
+        "import keras.src.ops as src\n"
+        "from keras.src.models.functional import Functional\n"
+        "from keras.src.optimizers.base_optimizer import BaseOptimizer\n"
+        "def now():\n"
+        "    return (keras.ops.add, keras.ops.matmul, src.silu, Functional.__init__,\n"
+        "            keras.layers.Layer._assert_input_compatibility, BaseOptimizer.build,\n"
+        "            keras.config.set_dtype_policy)\n"
+        "before = now()\n"
+        "import keras_scalify as ksc\n"
+        "assert now()[:6] == before[:6], 'import'\n"
+        "assert ksc.patches.installed() == ['policy names'], ksc.patches.installed()\n"
+        "x = ksc.as_scaled(np.ones((2, 2), 'float32'), 2.0)\n"
+        "assert ksc.is_scaled(keras.ops.add(x, x))\n"
+        "assert len(ksc.patches.installed()) == 4, ksc.patches.installed()\n"
+        "ksc.layers.ScaledDense(2).build((None, 2))\n"
+        "assert len(ksc.patches.installed()) == 5, ksc.patches.installed()\n"
+        "ksc.patches.uninstall()\n"
+        "assert now() == before, 'undo'\n"
+        "assert ksc.patches.installed() == []\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, KERAS_BACKEND=keras.backend.backend()),
+    )
+    assert out.stdout.strip().endswith("OK"), out.stderr[-2000:]
