@@ -342,7 +342,7 @@ F32, FP8 = POLICIES
 # keras-hub's tokenizer, plain model or not: with KSC_HUB_HARNESS=all only.
 DEFAULT = {
     "torch": {
-        "backbone": {(f, FP8) for f in FAMILIES[::2]},
+        "backbone": {(f, FP8) for f in list(FAMILIES)[::2]},
         "backbone_saving": {
             ("gemma3", F32), ("qwen", FP8), ("gpt2", F32),
             ("bert", FP8), ("gemma", F32), ("mistral", FP8), ("llama", F32),
