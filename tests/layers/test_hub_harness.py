@@ -346,25 +346,22 @@ DEFAULT = {
         "backbone_saving": {
             ("gemma3", F32), ("qwen", FP8), ("gpt2", F32),
             ("bert", FP8), ("gemma", F32), ("mistral", FP8), ("llama", F32),
+            ("mixtral", FP8), ("qwen3_moe", F32), ("vit", FP8),
         },
         "task_saving": {
             ("gemma3", FP8), ("qwen", F32), ("gpt2", FP8),
             ("bert", F32), ("gemma", FP8), ("mistral", F32), ("llama", FP8),
             ("mixtral", F32), ("qwen3_moe", FP8), ("vit", F32),
         },
-        "task": {("gemma", FP8), ("vit", F32)},
+        "task": {("gemma", FP8), ("vit", F32), ("llama", F32)},
         "generate": {(f, FP8) for f in CAUSAL_LMS},
     },
     "jax": {
         "backbone": {("llama", F32)},
-        "backbone_saving": {("mixtral", FP8)},
-        "task": {("mistral", FP8)},
         "generate": {("gemma3", F32)},
     },
     "tensorflow": {
         "backbone": {("mixtral", F32)},
-        "backbone_saving": {("qwen3_moe", F32), ("vit", FP8)},
-        "task": {("llama", F32)},
         "generate": {("mistral", F32)},
     },
 }
