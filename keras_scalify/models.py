@@ -83,6 +83,28 @@ class ScalifiedModel:
         ):
             self.optimizer = ScaledOptimizer(optimizer)
 
+    def export(self, filepath, *args, **kwargs):
+        """Keras's `export`. Keras traces the model for serving with
+        unknown dimensions (batch, sequence); a scaled contraction over an
+        unknown size (attention over the sequence) has no scale rule, and
+        that failure is re-raised naming the way through: `unscalify`,
+        then export a plain copy built from the config and the weights."""
+        try:
+            return super().export(filepath, *args, **kwargs)
+        except ValueError as e:
+            if "needs a static size" not in str(e):
+                raise
+            raise ValueError(
+                f"{type(self).__name__}.export traces the model with unknown "
+                f"dimensions, and a scaled contraction needs its contracted "
+                f"size known ({str(e).strip()}). Export a plain copy: "
+                f"`keras_scalify.unscalify(model)` (in place, the trained "
+                f"weights), then `plain = type(model).from_config("
+                f"model.get_config()); plain.set_weights(model.get_weights()); "
+                f"plain.export(...)` (a model converted in place keeps layer "
+                f"lists that TensorFlow's SavedModel will not track)."
+            ) from e
+
     def quantize(self, mode=None, *args, **kwargs):
         """Serving: `unscalify` (the plain model with the trained,
         represented weights), then Keras's `quantize` of it, in place.

@@ -76,3 +76,28 @@ def test_a_scaled_layer_refuses_quantize_naming_unscalify():
     layer.build((2, 8))
     with pytest.raises(ValueError, match="unscalify"):
         layer.quantize("int8")
+
+
+def test_export_says_how_to_serve_a_converted_causal_lm(tmp_path):
+    """Keras's `export` of a converted keras-hub causal LM (traced with an
+    unknown sequence length, which a scaled attention contraction cannot
+    take) raises naming the way through, and that way exports the trained
+    model: `unscalify`, a plain copy from the config and the weights."""
+    pytest.importorskip("tensorflow")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("export's SavedModel is checked on TensorFlow")
+    import tensorflow as tf
+
+    lm = keras_hub.models.LlamaCausalLM(backbone=hm.llama(), preprocessor=None)
+    ksc.scalify(lm, dtype="scaled_fp8")
+    with pytest.raises(ValueError, match="unscalify"):
+        lm.export(str(tmp_path / "scaled"))
+    x = hm.make_inputs("llama", batch=2)
+    ksc.unscalify(lm)
+    want = np.asarray(lm.predict(x, verbose=0))
+    plain = type(lm).from_config(lm.get_config())
+    plain.set_weights(lm.get_weights())
+    plain.export(str(tmp_path / "plain"))
+    restored = tf.saved_model.load(str(tmp_path / "plain"))
+    got = restored.serve(x)
+    np.testing.assert_array_equal(np.asarray(got), want)
