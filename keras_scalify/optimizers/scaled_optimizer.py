@@ -71,6 +71,10 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
             a unit in the last place).
         seed: seed of the stochastic rounding.
         name: the optimizer's name.
+        gradient_accumulation_steps: update every this many steps (>= 2)
+            with the mean of their gradients, as Keras does; it may be set
+            on the inner optimizer instead. The sums are stored in
+            `state_dtype`.
     """
 
     def __init__(
@@ -96,18 +100,18 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 "`inner_optimizer` must not be built yet: ScaledOptimizer "
                 "builds it on the decoded weights."
             )
-        if inner_optimizer.gradient_accumulation_steps:
-            raise ValueError(
-                "`inner_optimizer` has gradient_accumulation_steps="
-                f"{inner_optimizer.gradient_accumulation_steps}, which "
-                "ScaledOptimizer does not support."
-            )
+        steps = _accumulation_steps(kwargs.pop("gradient_accumulation_steps", None), inner_optimizer)
+        # The wrapper accumulates (decoded gradients, in `state_dtype`
+        # slots); the inner optimizer applies their mean, and counts
+        # micro-steps as Keras's accumulation does (its `iterations` the
+        # updates, its learning-rate schedule the micro-steps).
+        inner_optimizer.gradient_accumulation_steps = steps
         _refuse_base_arguments(kwargs)
         if state_dtype is not None:
             state_dtype = _check_state_dtype(state_dtype, "state_dtype")
         if not isinstance(rescale_every, (int, np.integer)) or isinstance(rescale_every, bool) or rescale_every < 1:
             raise ValueError(f"`rescale_every` must be an integer >= 1, got {rescale_every!r}.")
-        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        super().__init__(learning_rate=0.0, name=name, gradient_accumulation_steps=steps, **kwargs)
         self.inner_optimizer = inner_optimizer
         self.state_dtype = state_dtype
         self.rescale_every = int(rescale_every)
@@ -155,18 +159,33 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         self._weight_sizes = [math.prod(sv.data.shape) for kind, sv, _ in self._entries if kind == "weight"]
         self._resolved_state_dtype = resolved
         self._slots = []  # (ghost, stored data, stored scale or None)
+        self._accumulators = []  # the same, per inner variable
+        self._slot_sink = self._slots
         inner = self.inner_optimizer
         inner.add_variable = self._make_slot
+        # (Without its own accumulators: the wrapper's replace them.)
+        steps, inner.gradient_accumulation_steps = inner.gradient_accumulation_steps, None
         try:
             inner.build(inner_vars)
+            if steps:
+                self._slot_sink = self._accumulators
+                for v in inner_vars:
+                    inner.add_variable_from_reference(v, "gradient_accumulator")
         finally:
             del inner.add_variable
+            inner.gradient_accumulation_steps = steps
         self._translate_weight_decay_exclusions()
         self._seed_generator = keras.random.SeedGenerator(self.seed)
         self._skipped_steps = self.add_variable(
             shape=(), initializer="zeros", dtype="int32", name="skipped_steps"
         )
-        super().build(var_list)
+        # (Keras's base build would add float32 accumulators of every
+        # variable, scales included: the ones above replace them.)
+        steps, self.gradient_accumulation_steps = self.gradient_accumulation_steps, None
+        try:
+            super().build(var_list)
+        finally:
+            self.gradient_accumulation_steps = steps
 
     def _resolve_state_dtype(self, var_list):
         if self.state_dtype is not None:
@@ -219,7 +238,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 aggregation=aggregation,
                 name=f"{name}_scale",
             )
-        self._slots.append((ghost, stored, stored_scale))
+        self._slot_sink.append((ghost, stored, stored_scale))
         return ghost
 
     def _translate_weight_decay_exclusions(self):
@@ -337,9 +356,12 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
                 finite = S.logical_and(finite, c)
 
         # A skipped step writes nothing but the grad scales and counters.
+        taken = finite
+        if self.gradient_accumulation_steps:
+            taken, inner_grads = self._accumulate(inner_grads, finite)
         elements = sum(self._weight_sizes)
         run_if(
-            finite,
+            taken,
             lambda guard: self._update(weights, inner_grads, guard),
             fuse=elements >= FUSE_MIN_ELEMENTS,
         )
@@ -347,6 +369,45 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         if finite is not True:  # (a Python bool where the host decided)
             self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
         self._iterations.assign_add(1)
+
+    def _accumulate(self, inner_grads, finite):
+        """Gradient accumulation as Keras's: each finite micro-step adds its
+        decoded gradients to the accumulators (stored in `state_dtype`);
+        every `gradient_accumulation_steps`-th one instead hands the inner
+        optimizer `(g + accumulated) / steps` and resets them. A skipped
+        micro-step does not count: the inner optimizer's micro-step
+        counter (Keras's private `_iterations`, which its `iterations`
+        divides by the steps) moves on the others. Returns `(whether the
+        update runs, its gradients)`."""
+        steps = self.gradient_accumulation_steps
+        counter = self.inner_optimizer._iterations
+        count = read_tensor(counter)
+        due = ops.equal((count + 1) % steps, 0)
+        known = host_bool(due)
+        due = due if known is None else known
+        accs = [
+            state.decode(read_tensor(d), None if s is None else read_tensor(s))
+            for _, d, s in self._accumulators
+        ]
+        sums = [None if g is None else ops.add(g, acc) for g, acc in zip(inner_grads, accs)]
+
+        def write(guard):
+            # (A due step's update counts itself.)
+            writes = [(counter, _select(due, count, count + 1))]
+            for total, acc, (_, d, s) in zip(sums, accs, self._accumulators):
+                # (A variable without a gradient keeps its sum until reset.)
+                kept = acc if total is None else total
+                data, scale = state.encode_slot(
+                    _select(due, ops.zeros_like(kept), kept), self._resolved_state_dtype
+                )
+                writes += [(d, data)] + ([] if s is None else [(s, scale)])
+            if guard is not True:
+                writes = [(v, ops.where(guard, x, read_tensor(v))) for v, x in writes]
+            assign_all(writes)
+
+        run_if(finite, write)
+        grads = [None if total is None else total / steps for total in sums]
+        return _logical_and(finite, due), grads
 
     def _calibrate(self, measured, inner_grads, always):
         """Decode the scaled weights' gradients into `inner_grads` and queue
@@ -447,11 +508,13 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         inner = self.inner_optimizer
         # Measured on the stored data, before the update (which may write
         # it in place).
-        step = S.host_value(read_tensor(self._iterations))
+        # (Accumulating, the inner optimizer counts the updates.)
+        counter = self.iterations if self.gradient_accumulation_steps else self._iterations
+        step = S.host_value(read_tensor(counter))
         if step is not None:  # (eager torch on a CPU)
             rescale = int(step) % self.rescale_every == 0
         else:
-            rescale = ops.equal(self._iterations % self.rescale_every, 0)
+            rescale = ops.equal(counter % self.rescale_every, 0)
             known = host_bool(rescale)
             rescale = rescale if known is None else known
         if rescale is False:  # eager torch, between rescaling steps
@@ -617,14 +680,14 @@ _INNER_ARGUMENTS = {
     "ema_momentum": 0.99,
     "ema_overwrite_frequency": None,
 }
-_UNSUPPORTED_ARGUMENTS = {"loss_scale_factor": None, "gradient_accumulation_steps": None}
+_UNSUPPORTED_ARGUMENTS = {"loss_scale_factor": None}
 
 
 def _refuse_base_arguments(kwargs):
     """A base-optimizer argument given to the wrapper with a value it would
     not honour raises: clipping, weight decay and EMA belong to the inner
     optimizer (its `apply` runs them on the decoded weights); loss scaling
-    and gradient accumulation are not supported."""
+    is not supported."""
     for key, value in kwargs.items():
         if key in _INNER_ARGUMENTS and value != _INNER_ARGUMENTS[key]:
             raise ValueError(
@@ -636,6 +699,40 @@ def _refuse_base_arguments(kwargs):
             raise ValueError(
                 f"ScaledOptimizer does not support `{key}` (got {value!r})."
             )
+
+
+def _accumulation_steps(steps, inner):
+    """The gradient accumulation steps given to the wrapper or set on
+    `inner` (Keras's rule: an int >= 2, or None)."""
+    inner_steps = inner.gradient_accumulation_steps
+    if steps is not None and inner_steps is not None and steps != inner_steps:
+        raise ValueError(
+            f"`gradient_accumulation_steps={steps!r}` differs from the inner "
+            f"optimizer's ({inner_steps!r}): set it in one place."
+        )
+    steps = inner_steps if steps is None else steps
+    if steps is None:
+        return None
+    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 2:
+        raise ValueError(f"`gradient_accumulation_steps` must be an integer >= 2, got {steps!r}.")
+    return int(steps)
+
+
+def _logical_and(a, b):
+    """`a and b` of bools that are Python bools (decided on the host) or
+    bool tensors."""
+    if a is False or b is False:
+        return False
+    if a is True:
+        return b
+    return a if b is True else S.logical_and(a, b)
+
+
+def _select(pred, a, b):
+    """`where(pred, a, b)`; `a` or `b` itself where `pred` is a Python bool."""
+    if pred is True or pred is False:
+        return a if pred else b
+    return ops.where(pred, a, b)
 
 
 def _is_float(dtype):

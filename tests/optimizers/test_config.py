@@ -84,7 +84,6 @@ def test_plain_keras_layers_train_beside_scaled_ones():
         ({"global_clipnorm": 1.0}, ValueError, "global_clipnorm"),
         ({"weight_decay": 0.1}, ValueError, "weight_decay"),
         ({"use_ema": True}, ValueError, "use_ema"),
-        ({"gradient_accumulation_steps": 2}, ValueError, "gradient_accumulation_steps"),
         ({"loss_scale_factor": 128.0}, ValueError, "loss_scale_factor"),
     ],
 )
@@ -97,8 +96,6 @@ def test_bad_arguments(kwargs, error, match):
 def test_wrapped_optimizers_are_refused():
     with pytest.raises(TypeError, match="inner_optimizer"):
         ksc.ScaledOptimizer(ksc.ScaledOptimizer(keras.optimizers.SGD(0.1)))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
-        ksc.ScaledOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     built = keras.optimizers.SGD(0.1)
     built.build([keras.Variable(np.zeros(2, "float32"))])
     with pytest.raises(ValueError, match="built"):
