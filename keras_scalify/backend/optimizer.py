@@ -84,6 +84,26 @@ def ghost_variable(shape, name, path=None, layout=None):
     return v
 
 
+def refuse_tf_distribute():
+    """Raise under a TensorFlow `tf.distribute` strategy (other than the
+    default): `ScaledOptimizer` writes every update with `Variable.assign`
+    in the replica (no cross-replica all-reduce of the gradients, no
+    `extended.update` of mirrored variables), and its inner optimizer's
+    slots are made for ghost weights, which a strategy cannot colocate."""
+    if keras.backend.backend() != "tensorflow":
+        return
+    import tensorflow as tf
+
+    if tf.distribute.has_strategy():  # (a strategy other than the default)
+        raise ValueError(
+            f"ScaledOptimizer does not support tf.distribute (running under "
+            f"{type(tf.distribute.get_strategy()).__name__}): its update "
+            "does not all-reduce gradients across replicas. Train on one "
+            "device, or on JAX with keras.distribution (DataParallel, "
+            "ModelParallel), which it supports."
+        )
+
+
 def is_ghost(variable):
     return getattr(variable, "_ksc_ghost", False)
 

@@ -21,6 +21,7 @@ from keras_scalify.backend.optimizer import GuardedScope
 from keras_scalify.backend.optimizer import assign_all
 from keras_scalify.backend.optimizer import bound_ghosts
 from keras_scalify.backend.optimizer import host_bool
+from keras_scalify.backend.optimizer import refuse_tf_distribute
 from keras_scalify.backend.optimizer import run_if
 from keras_scalify.backend.optimizer import scale_folds
 from keras_scalify.backend.optimizer import FUSE_MIN_ELEMENTS
@@ -136,6 +137,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
     def build(self, var_list):
         if self.built:
             return
+        refuse_tf_distribute()
         var_list = list(var_list)
         resolved = self._resolve_state_dtype(var_list)
         self._entries = []  # per variable: (kind, sv or None, inner variable)
