@@ -5,6 +5,7 @@ import keras
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import add_grad_scale_state
 from keras_scalify.layers.variable import read_tensor
+from keras_scalify.layers.activation import _as_spec
 from keras_scalify.layers.base import spec_like
 from keras_scalify.ops.rescaling import STATISTICS
 from keras_scalify.ops.rescaling import delayed_rescale_grad
@@ -39,7 +40,8 @@ class DynamicRescaleGrad(ScaledLayer):
         return delayed_rescale_grad(inputs, state, self.statistic)
 
     def compute_output_spec(self, inputs):
-        return spec_like(inputs)
+        # (A plain input leaves as a ScaledTensor, as in an eager call.)
+        return spec_like(_as_spec(inputs))
 
     def get_config(self):
         config = super().get_config()

@@ -278,7 +278,11 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
 
     @property
     def skipped_steps(self):
-        """How many steps were skipped for non-finite gradients."""
+        """How many steps were skipped for non-finite gradients (0 before
+        the optimizer is built: a model without trainable weights never
+        builds it on TensorFlow)."""
+        if not self.built:
+            return ops.zeros((), "int32")
         return self._skipped_steps
 
     def scale_loss(self, loss):
