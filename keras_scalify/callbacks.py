@@ -17,6 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_scalify.backend import value_and_grad
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
@@ -24,9 +25,17 @@ from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.debug import _wrapped_calls
 from keras_scalify.debug import stats
+from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import TENSOR_KWARGS
+from keras_scalify.layers.plain_io import _input_masks
 from keras_scalify.layers.plain_io import _is_float_tensor
+from keras_scalify.layers.plain_io import _set_keras_mask
+from keras_scalify.layers.regions import _region
+from keras_scalify.layers.regions import in_region
 from keras_scalify.layers.variable import effective_grad_scale
 from keras_scalify.layers.variable import read_tensor
+from keras_scalify.ops.boundary import encode
+from keras_scalify.ops.boundary import to_array
 
 # The columns of each layer (see `ScaleMonitor`): `<layer path>/<item>/<stat>`.
 STATS = ("scale_exp", "rms", "underflow", "saturation")
@@ -50,8 +59,6 @@ _STAT_KEYS = {
 def scaled_layers(model):
     """The scaled layers inside `model` (inside custom layers and scaled
     layers too), each once, in `_flatten_layers` order."""
-    from keras_scalify.layers.base import ScaledLayer
-
     return [
         layer
         for layer in model._flatten_layers(include_self=True, recursive=True)
@@ -74,8 +81,6 @@ def _stat_row(prefix, s):
 
 
 def _first_input(args, kwargs):
-    from keras_scalify.layers.base import TENSOR_KWARGS
-
     if args:
         return args[0]
     for k in TENSOR_KWARGS:
@@ -109,12 +114,6 @@ def _capturing(model, on_output):
     be) is seen, then decoded exactly as the layer does. The layers' `call`
     (their class's or an instance attribute) is restored afterwards.
     """
-    from keras_scalify.layers.plain_io import _input_masks
-    from keras_scalify.layers.plain_io import _set_keras_mask
-    from keras_scalify.layers.regions import _region
-    from keras_scalify.layers.regions import in_region
-    from keras_scalify.ops.boundary import to_array
-
     def wrap(layer, original):
         def call(*args, **kwargs):
             plain = layer.plain_io and not in_region()
@@ -263,8 +262,6 @@ def _split_sample(sample):
 def _activation_stats(model, x, formats):
     """Stats of each scaled layer call's first input (matmul format) and
     first ScaledTensor output (data format), in inference mode."""
-    from keras_scalify.ops.boundary import encode
-
     row, calls = {}, {}
 
     def on_output(layer, args, kwargs, y):
@@ -300,8 +297,6 @@ def _gradient_stats(model, x, y, formats, loss):
     ScaledTensor output (in data units, scale = its grad scale) in the
     grad format: the loss on `(x, y)` differentiated with respect to a
     zero added to that output's data."""
-    from keras_scalify.backend import value_and_grad
-
     fn = _loss_fn(model, loss)
     probes = []  # (layer, call index, grad scale, shape, dtype)
     calls = {}

@@ -31,6 +31,7 @@ output would be cut to its `data` by `clone_model`'s bookkeeping.
 import keras
 from keras import tree
 
+from keras_scalify import layers as scaled_layers
 from keras_scalify import models
 from keras_scalify.layers.base import name_scopes_of
 from keras_scalify.convert_inplace import all_layers
@@ -39,6 +40,20 @@ from keras_scalify.convert_inplace import walk_sublayers
 from keras_scalify.convert_inplace import warn_unconverted
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
+from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.boundary import AsScaled
+from keras_scalify.layers.boundary import ToArray
+from keras_scalify.layers.embedding import ScaledEmbedding
+from keras_scalify.layers.own_weights import scale_own_weights
+from keras_scalify.layers.own_weights import unscale_own_weights
+from keras_scalify.layers.regions import install_regions
+from keras_scalify.layers.regions import uninstall_regions
+from keras_scalify.layers.rescale import DynamicRescaleGrad
+from keras_scalify.ops.symbolic import ScaledOperation
+from keras_scalify.optimizers import ScaledOptimizer
+from keras_scalify.optimizers.guard import scaled_variables_in
+from keras_scalify.policies import ScaledDTypePolicy
+from keras_scalify.policies import get as get_policy
 
 # Keras class name -> scaled class name in `keras_scalify.layers`. A layer
 # matches its class exactly, or a subclass that keeps the class's `call`,
@@ -66,10 +81,8 @@ def _keras_class(name):
 
 
 def _scaled_class(keras_name, layer):
-    """The scaled class for `layer`, imported lazily (EinsumDense and
-    MultiHeadAttention live in optional modules)."""
-    import keras_scalify.layers as scaled_layers
-
+    """The scaled class for `layer`, looked up in `keras_scalify.layers`
+    (EinsumDense and MultiHeadAttention live in optional modules)."""
     name = _SCALED_NAMES[keras_name]
     cls = getattr(scaled_layers, name, None)
     if cls is None or not hasattr(cls, "from_keras"):
@@ -319,9 +332,6 @@ def _scaled_optimizer_config(config, model):
     `model` has scaled weights (a plain optimizer cannot train them)."""
     from keras.src.saving import serialization_lib
 
-    from keras_scalify.optimizers import ScaledOptimizer
-    from keras_scalify.optimizers.guard import scaled_variables_in
-
     if config is None or not scaled_variables_in(model.trainable_variables):
         return config
     optimizer = serialization_lib.deserialize_keras_object(config)
@@ -433,8 +443,6 @@ class _ScalifyStep:
     def choose(self, layer):
         """In-place conversion inside custom layers (`convert_inplace`):
         a plain-I/O scaled layer, None to descend, False to keep."""
-        from keras_scalify.layers.base import ScaledLayer
-
         if self._excluded(layer) or isinstance(layer, ScaledLayer):
             return False
         keras_name = _convertible_name(layer)
@@ -459,9 +467,6 @@ class _ScalifyStep:
         convert_in_place(root, self.choose)
         if self._excluded(root):
             return
-        from keras_scalify.layers.own_weights import scale_own_weights
-        from keras_scalify.layers.regions import install_regions
-        from keras_scalify.policies import get as get_policy
 
         def own(parent, child):
             if self._excluded(child):
@@ -493,8 +498,6 @@ class _ScalifyStep:
         return kwargs
 
     def _wrap_as_scaled(self, x):
-        from keras_scalify.layers.boundary import AsScaled
-
         if is_scaled(x) or not isinstance(x, keras.KerasTensor):
             return x
         if "float" not in keras.backend.standardize_dtype(x.dtype):
@@ -506,8 +509,6 @@ class _ScalifyStep:
         return self.as_scaled[id(x)]
 
     def _unwrap(self, x):
-        from keras_scalify.layers.boundary import ToArray
-
         if not is_scaled(x):
             return x
         if id(x.data) not in self.to_array:
@@ -519,16 +520,12 @@ class _ScalifyStep:
     def to_plain_for(self, layer):
         """`ToArray` for the inputs of unconverted plain layers (and of
         nested models, plain outside); None for scaled layers."""
-        from keras_scalify.ops.symbolic import ScaledOperation
-
         new = self.new_layer(layer)
         if hasattr(new, "_scaled_weights") or isinstance(new, ScaledOperation):
             return None
         return self._unwrap
 
     def __call__(self, layer, args, kwargs):
-        from keras_scalify.layers.embedding import ScaledEmbedding
-
         new = self.new_layer(layer)
         if id(new) in self.converted and not isinstance(new, ScaledEmbedding):
             args = tuple(map_scaled(self._wrap_as_scaled, a) for a in args)
@@ -627,8 +624,6 @@ def _plain_dtype_of(layer):
     """The dtype a plain-I/O scaled layer returns in place of `layer`: its
     compute dtype, float32 for a scaled policy (the plain code around it
     then computes in float32, see `_plain_policy_to_float32`)."""
-    from keras_scalify.policies import ScaledDTypePolicy
-
     if isinstance(layer.dtype_policy, ScaledDTypePolicy):
         return "float32"
     return layer.compute_dtype
@@ -638,9 +633,6 @@ def _plain_policy_to_float32(layer):
     """A plain (unconverted) layer under a scaled policy computes in
     float32: where no scale rule exists, values are decoded to float32.
     The policy is kept for `unscalify`."""
-    from keras_scalify.layers.base import ScaledLayer
-    from keras_scalify.policies import ScaledDTypePolicy
-
     if isinstance(layer, ScaledLayer):
         return
     policy = layer.dtype_policy
@@ -671,8 +663,6 @@ class _UnscalifyStep:
 
     def choose(self, layer):
         """In-place: a plain-I/O scaled layer back to Keras (`to_keras`)."""
-        from keras_scalify.layers.base import ScaledLayer
-
         if isinstance(layer, ScaledLayer):
             if layer.plain_io:
                 with name_scopes_of(layer):
@@ -685,9 +675,6 @@ class _UnscalifyStep:
         return None
 
     def inside(self, root):
-        from keras_scalify.layers.own_weights import unscale_own_weights
-        from keras_scalify.layers.regions import uninstall_regions
-
         uninstall_regions(root)
         convert_in_place(root, self.choose)
         for layer in all_layers(root):
@@ -695,10 +682,6 @@ class _UnscalifyStep:
             _restore_policy(layer)
 
     def new_layer(self, layer):
-        from keras_scalify.layers.base import ScaledLayer
-
-        from keras_scalify.ops.symbolic import ScaledOperation
-
         if id(layer) in self.layers:
             return self.layers[id(layer)]
         if isinstance(layer, ScaledOperation):
@@ -726,11 +709,6 @@ class _UnscalifyStep:
         return new
 
     def __call__(self, layer, args, kwargs):
-        from keras_scalify.layers.boundary import AsScaled
-        from keras_scalify.layers.boundary import ToArray
-        from keras_scalify.layers.embedding import ScaledEmbedding
-        from keras_scalify.layers.rescale import DynamicRescaleGrad
-
         if isinstance(layer, (AsScaled, ToArray, DynamicRescaleGrad)):
             # Identity on represented values.
             return args[0] if args else next(iter(kwargs.values()))

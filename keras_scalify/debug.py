@@ -20,11 +20,17 @@ import numpy as np
 from keras import ops
 
 from keras_scalify import backend
+from keras_scalify import layers as sl
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.layers.base import STATE_ATTRS
+from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.own_weights import plain_kernel_owners
 from keras_scalify.ops.boundary import to_array
+from keras_scalify.ops.dispatch import record_contractions
+from keras_scalify.ops.dispatch import record_dispatch
 
 
 def stats(x, dtype=None):
@@ -95,8 +101,6 @@ def count_params(model):
     counts them: a ScaledVariable by its data; weight scales, gradient
     scales and delayed-rescaling states are bookkeeping and not counted.
     Equal to the original's `count_params()` after `scalify`."""
-    from keras_scalify.layers.base import STATE_ATTRS
-
     n = 0
     for v in model.weights:
         sv = getattr(v, "_ksc_scaled_variable", None)
@@ -138,8 +142,6 @@ def _contraction_flops(name, args):
 def _layer_flops(layer, args, kwargs, output):
     """FLOPs of the kernel GEMM of one call of `layer`, or None."""
     import keras
-
-    from keras_scalify import layers as sl
 
     x = args[0] if args else next(iter(kwargs.values()), None)
     shape = lambda t: tuple(int(d) for d in t.shape)  # noqa: E731
@@ -208,9 +210,6 @@ def propagation(model, inputs):
     by the previous scaled layer or op) or as a plain tensor (encoded
     there, with a statistic measured).
     """
-    from keras_scalify.core.scaled_tensor import is_scaled
-    from keras_scalify.ops.dispatch import record_dispatch
-
     inputs_seen = {"scaled_inputs": 0, "plain_inputs": 0}
 
     def record(layer, args, kwargs, out):
@@ -240,10 +239,6 @@ def gemm_coverage(model, inputs):
     scaled GEMMs that took an FP8 route) and `"layers"`: `[(path, class
     name, flops, scaled, fp8_route)]` in call order.
     """
-    from keras_scalify.layers.base import ScaledLayer
-    from keras_scalify.layers.own_weights import plain_kernel_owners
-    from keras_scalify.ops.dispatch import record_contractions
-
     rows = []
 
     def record(layer, args, kwargs, out):

@@ -29,6 +29,11 @@ import importlib
 
 import keras
 
+from keras_scalify import convert
+from keras_scalify.debug import count_params
+from keras_scalify.optimizers import ScaledOptimizer
+from keras_scalify.optimizers.guard import scaled_variables_in
+
 REGISTERED_NAME = "keras_scalify>ScalifiedModel"
 
 _CLASSES = {}
@@ -53,13 +58,11 @@ class ScalifiedModel:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        from keras_scalify.convert import scalify
-
         model = keras.saving.deserialize_keras_object(
             config["model"], custom_objects=custom_objects
         )
         for call in config["scalify"]:
-            model = scalify(
+            model = convert.scalify(
                 model,
                 dtype=_deserialize_dtype(call["dtype"]),
                 exclude=tuple(_deserialize_exclude(e) for e in call["exclude"]),
@@ -71,9 +74,6 @@ class ScalifiedModel:
         included); a plain Keras optimizer is then wrapped in
         `ScaledOptimizer`, as Keras wraps one in `LossScaleOptimizer` under
         `mixed_float16` (the compile config keeps the optimizer as given)."""
-        from keras_scalify.optimizers import ScaledOptimizer
-        from keras_scalify.optimizers.guard import scaled_variables_in
-
         super().compile(*args, **kwargs)
         optimizer = getattr(self, "optimizer", None)
         if (
@@ -111,17 +111,13 @@ class ScalifiedModel:
         (Keras binds each layer's `quantize` on the instance when it is
         created: `attach` binds this one there, `detach` puts Keras's
         back.)"""
-        from keras_scalify.convert import unscalify
-
-        unscalify(self)
+        convert.unscalify(self)
         return self.quantize(mode, *args, **kwargs)
 
     def count_params(self):
         """Parameters as the plain original counts them (a scaled
         weight's data; scales and rescaling states are bookkeeping):
         `keras_scalify.debug.count_params`."""
-        from keras_scalify.debug import count_params
-
         return count_params(self)
 
     def get_build_config(self):

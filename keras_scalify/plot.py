@@ -4,6 +4,9 @@ import os
 
 import numpy as np
 
+from keras_scalify.callbacks import ScaleMonitor
+from keras_scalify.callbacks import load_history
+
 
 def _rows(history, stat):
     """`(labels, matrix)`: every `<layer>/<item>/<stat>` column as a row
@@ -20,9 +23,6 @@ def _rows(history, stat):
 
 
 def _resolve(history, trace):
-    from keras_scalify.callbacks import ScaleMonitor
-    from keras_scalify.callbacks import load_history
-
     if isinstance(history, ScaleMonitor):
         return history.history, history.trace if trace is None else trace
     if isinstance(history, (str, os.PathLike)):

@@ -260,7 +260,8 @@ def _round_torch(x, dtype):
     `saturating_cast` keeps them (NaN; ±inf in E5M2, NaN in E4M3)."""
     import torch
 
-    from keras_scalify.backend.scalar import scratch_buffer  # (torch only)
+    # (Local: `scalar` defines it under the torch backend only.)
+    from keras_scalify.backend.scalar import scratch_buffer
 
     fmt = FORMATS[dtype_name(dtype)]
     flat = x.contiguous().view(-1)

@@ -118,12 +118,14 @@ class ScaledTensor(
         # `x[:, 0]` does on a tensor: the scale is unchanged.
         if isinstance(key, (int, np.integer)):
             return tuple.__getitem__(self, key)
+        # (Local: keras_scalify.ops imports this module.)
         from keras_scalify.ops.dispatch import getitem
 
         return getitem(self, key)
 
     def to_array(self, dtype=None):
         """The represented tensor `data * scale` (see `to_array`)."""
+        # (Local: keras_scalify.ops imports this module.)
         from keras_scalify.ops.boundary import to_array
 
         return to_array(self, dtype)
@@ -187,6 +189,7 @@ _PLAIN_OP_HINT = (
 
 
 def _ops():
+    # (Local: keras_scalify.ops imports this module.)
     from keras_scalify import ops as ksc_ops
 
     return ksc_ops

@@ -3,7 +3,13 @@
 import keras
 
 from keras_scalify import ops as sops
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.base import cast_to_compute
+from keras_scalify.layers.base import check_keras_layer
+from keras_scalify.layers.base import keras_base_kwargs
+from keras_scalify.layers.base import scaled_base_kwargs
 from keras_scalify.layers.base import spec_like
 
 def _gelu(x):
@@ -113,8 +119,6 @@ class ScaledActivation(ScaledLayer):
         self.activation = activation_name(activation)
 
     def call(self, inputs):
-        from keras_scalify.layers.base import cast_to_compute
-
         x = cast_to_compute(self, inputs)
         return x if self._fn is None else self._fn(x)
 
@@ -132,9 +136,6 @@ class ScaledActivation(ScaledLayer):
         """A ScaledActivation for a `keras.layers.Activation` (same name,
         dtype policy); an activation without a scaled rule raises a
         ValueError naming `activation`."""
-        from keras_scalify.layers.base import check_keras_layer
-        from keras_scalify.layers.base import keras_base_kwargs
-
         check_keras_layer(layer, keras.layers.Activation, cls)
         kwargs = keras_base_kwargs(layer, {})
         kwargs["activation"] = layer.activation
@@ -143,8 +144,6 @@ class ScaledActivation(ScaledLayer):
 
     def to_keras(self, **overrides):
         """A plain `keras.layers.Activation` with this activation."""
-        from keras_scalify.layers.base import scaled_base_kwargs
-
         kwargs = scaled_base_kwargs(self, {})
         kwargs["activation"] = self.activation
         kwargs.update(overrides)
@@ -152,9 +151,6 @@ class ScaledActivation(ScaledLayer):
 
 
 def _as_spec(inputs):
-    from keras_scalify.core.scaled_tensor import ScaledTensor
-    from keras_scalify.core.scaled_tensor import is_scaled
-
     if is_scaled(inputs):
         return inputs
     return ScaledTensor(

@@ -6,11 +6,17 @@ import functools
 import keras
 import numpy as np
 
+from keras_scalify import ops as sops
 from keras_scalify.backend.scalar import _compiling
+from keras_scalify.core.formats import FORMATS
+from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.variable import ScaledVariable
+from keras_scalify.ops.boundary import as_scaled
+from keras_scalify.ops.boundary import encode
 from keras_scalify.ops.symbolic import _has_symbolic
+from keras_scalify.policies import ScaledDTypePolicy
 
 _DEFAULTS = {
     "compute_dtype": None,
@@ -293,6 +299,7 @@ def _plain_io_class(cls, name):
         def call(self, *args, **kwargs):
             # At the `call` level, so that wrappers calling `layer.call`
             # directly (TimeDistributed) get plain values too.
+            # (Local: plain_io imports base, directly and through regions.)
             from keras_scalify.layers.plain_io import plain_io_call
 
             return plain_io_call(
@@ -404,7 +411,6 @@ def _repack_scaled(x):
     ScaledTensor, and [None, None, None] into None. Eager values are never
     touched.
     """
-    from keras_scalify.core.scaled_tensor import ScaledTensor
     if is_scaled(x):
         return x
     if isinstance(x, dict):
@@ -444,11 +450,6 @@ def cast_to_compute(layer, inputs, grad_scale=None):
     flushed, and ±inf/NaN propagate. `grad_scale` (plain inputs only): the
     pow2 gradient scale given to them (default 1).
     """
-    from keras_scalify import ops as sops
-    from keras_scalify.core.formats import FORMATS
-    from keras_scalify.ops.boundary import as_scaled
-    from keras_scalify.ops.boundary import encode
-
     dtype = keras.backend.standardize_dtype(layer.compute_dtype)
     if is_scaled(inputs):
         return inputs if inputs.dtype == dtype else sops.cast(inputs, dtype)
@@ -466,8 +467,6 @@ def to_float32(x):
     residual sums) in float32 and round once to the compute dtype at the
     end, as a fused GPU epilogue does: fewer roundings, and the gradients
     of biases and norm parameters are summed in float32."""
-    from keras_scalify import ops as sops
-
     return x if x.dtype == "float32" else sops.cast(x, "float32")
 
 
@@ -538,8 +537,6 @@ def plain_dtype(policy):
     """The dtype policy of a plain Keras copy of a scaled layer: a scaled
     policy becomes "float32" (the represented weights' dtype, readable
     without keras_scalify); a plain Keras policy is kept."""
-    from keras_scalify.policies import ScaledDTypePolicy
-
     if isinstance(policy, ScaledDTypePolicy):
         return "float32"
     return policy
@@ -612,8 +609,6 @@ def add_grad_scale_state(layer, name="grad_scale_state"):
 
 def scaled_spec(shape, dtype):
     """A symbolic ScaledTensor: data of `shape`/`dtype`, float32 scalars."""
-    from keras_scalify.core.scaled_tensor import ScaledTensor
-
     return ScaledTensor(
         keras.KerasTensor(tuple(shape), dtype=dtype),
         keras.KerasTensor((), dtype="float32"),

@@ -5,6 +5,7 @@ import keras
 from keras_scalify import ops as sops
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.layers.activation import _as_spec
 from keras_scalify.layers.activation import activation_name
 from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.activation import keras_activation
@@ -145,8 +146,6 @@ class _ScaledConv(KernelBiasMixin, ScaledLayer):
         return sops.cast(y, dtype)
 
     def compute_output_spec(self, inputs):
-        from keras_scalify.layers.activation import _as_spec
-
         x = _as_spec(inputs).data
         kernel = keras.KerasTensor(self.kernel_size + (x.shape[self._channel_axis()], self.filters))
         out = keras.ops.conv(

@@ -9,6 +9,7 @@ from keras_scalify.backend import fused
 from keras_scalify.backend import scalar as S
 from keras_scalify.core.formats import FP8_DTYPES
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.layers.activation import _as_spec
 from keras_scalify.ops._common import logical_not
 from keras_scalify.ops.linalg import cast_contraction
 from keras_scalify.ops.linalg import contraction_plus
@@ -192,8 +193,6 @@ class ScaledDense(KernelBiasMixin, ScaledLayer):
         )
 
     def compute_output_spec(self, inputs):
-        from keras_scalify.layers.activation import _as_spec
-
         x = _as_spec(inputs)
         shape = tuple(x.data.shape[:-1]) + (self.units,)
         return scaled_spec(shape, self.compute_dtype)

@@ -14,6 +14,7 @@ from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
 from keras_scalify.layers.dense import matmul_bias_and_activation
 from keras_scalify.layers.base import cast_to_compute
+from keras_scalify.policies import ScaledDTypePolicy
 
 # Keras EinsumDense arguments that scaled layers accept only at their
 # default (so that Keras configs load), with the reason.
@@ -57,8 +58,6 @@ def plain_shape(shape):
 def plain_policy(layer):
     """The dtype for a plain Keras copy of `layer`: its policy when it is a
     plain Keras policy, else float32 (the represented weights' dtype)."""
-    from keras_scalify.policies import ScaledDTypePolicy
-
     policy = layer.dtype_policy
     if isinstance(policy, ScaledDTypePolicy):
         return "float32"

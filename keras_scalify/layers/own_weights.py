@@ -23,6 +23,7 @@ puts plain variables with the represented values back (`unscalify`).
 import keras
 import numpy as np
 
+from keras_scalify.convert_inplace import walk_sublayers
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import name_scopes_of
@@ -78,8 +79,6 @@ def _eligible(parent, layer):
 def plain_kernel_owners(root):
     """`{id(variable): layer}` of the kernels `scale_own_weights` would
     convert under `root` (`debug.gemm_coverage` counts their GEMMs)."""
-    from keras_scalify.convert_inplace import walk_sublayers
-
     owners = {}
 
     def visit(parent, layer):

@@ -28,11 +28,13 @@ from keras import ops
 from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
+from keras_scalify.layers.attention import ScaledMultiHeadAttention
 from keras_scalify.layers.base import TENSOR_KWARGS
 from keras_scalify.ops.boundary import encode
 from keras_scalify.ops.boundary import to_array
 from keras_scalify.ops.rescaling import delayed_rescale_grad
 from keras_scalify.layers.regions import in_region
+from keras_scalify.layers.variable import read_tensor
 
 
 def _is_float_tensor(x):
@@ -69,8 +71,6 @@ def _input_masks(layer, args, kwargs):
     EinsumDense and the normalizations."""
     from keras.src.backend import get_keras_mask
 
-    from keras_scalify.layers.attention import ScaledMultiHeadAttention
-
     values = list(args) + [kwargs[k] for k in TENSOR_KWARGS if k in kwargs]
     masks = [
         m
@@ -98,7 +98,6 @@ def plain_io_call(layer, call, args, kwargs):
     """`call(*args, **kwargs)` (the scaled class's `call`) with plain
     floating inputs encoded and ScaledTensor outputs decoded (see above)."""
     dtype = layer._plain_io_dtype
-    from keras_scalify.layers.variable import read_tensor
 
     state = read_tensor(layer.plain_io_grad_scale_state)
     stop = pow2.pow2_round_down(ops.stop_gradient(state))

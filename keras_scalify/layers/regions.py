@@ -34,9 +34,17 @@ import threading
 
 import keras
 
+from keras_scalify import ops as sops
+from keras_scalify.backend import scalar as S
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
+from keras_scalify.layers.base import ScaledLayer
+from keras_scalify.layers.own_weights import has_own_weights
+from keras_scalify.layers.own_weights import weight_reads
+from keras_scalify.ops.boundary import to_array
+from keras_scalify.ops.dispatch import dispatching
+from keras_scalify.ops.dispatch import weight_reads as registered
 
 _STATE = threading.local()
 
@@ -57,8 +65,6 @@ def _region(open_):
 
 
 def _decode(x):
-    from keras_scalify.ops.boundary import to_array
-
     if not is_scaled(x):
         return x
     # Keras maps a call's masks over the inputs' structure: a ScaledTensor
@@ -86,9 +92,6 @@ def _own_weights_call(call):
     """A custom layer whose own kernels `scalify` scaled
     (`layers/own_weights.py`): a composite whose attributes hold the
     weights' reads while it runs, their contractions the policy's GEMMs."""
-    from keras_scalify.layers.own_weights import weight_reads
-    from keras_scalify.ops.dispatch import weight_reads as registered
-
     layer = call.__self__
 
     @functools.wraps(call)
@@ -153,9 +156,6 @@ def _rms_norm_call(call):
     ScaledTensor, the `rms_normalization` rule (unit output scale, `eps`
     re-expressed in the data's units: exact) times the plain `scale`
     weight, instead of the six rules of its code."""
-    from keras_scalify import ops as sops
-    from keras_scalify.backend import scalar as S
-
     layer = call.__self__
 
     @functools.wraps(call)
@@ -192,9 +192,6 @@ _RMS_NORM_NAMES = {
 
 def _kind(layer):
     """The wrapper for `layer`'s call (None: left as it is)."""
-    from keras_scalify.layers.base import ScaledLayer
-    from keras_scalify.layers.own_weights import has_own_weights
-
     if isinstance(layer, (ScaledLayer, keras.Model)):
         return None
     if has_own_weights(layer):
@@ -234,8 +231,6 @@ def _dispatch_held_functions(layer):
     ops.silu`): they get their dispatch wrappers, so that its code runs
     the same whatever the import order (the originals are kept for
     `uninstall_regions`)."""
-    from keras_scalify.ops.dispatch import dispatching
-
     held = {}
     for attr, value in list(vars(layer).items()):
         wrapper = dispatching(value)

@@ -272,6 +272,7 @@ def promote(x, like=None, name="x"):
         if like is None:
             raise TypeError(f"`{name}`: at least one operand must be scaled.")
         return static_scalar(x, like)
+    # (Local: ops.boundary imports _common.)
     from keras_scalify.ops.boundary import as_scaled
 
     gs = None if like is None else stop(like.grad_scale)

@@ -2,12 +2,12 @@
 
 from keras import ops
 
+from keras_scalify.core.scaled_tensor import ScaledTensor
+from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.ops.selection import _common_scale
 
 
 def _compare(fn, x1, x2):
-    from keras_scalify.core.scaled_tensor import is_scaled
-
     if not (is_scaled(x1) or is_scaled(x2)):
         return fn(x1, x2)
     # Rescale in float32: a float16 operand far below the other's scale
@@ -20,9 +20,6 @@ def _compare(fn, x1, x2):
 
 
 def _f32(x):
-    from keras_scalify.core.scaled_tensor import ScaledTensor
-    from keras_scalify.core.scaled_tensor import is_scaled
-
     if is_scaled(x):
         return ScaledTensor(ops.cast(x.data, "float32"), x.scale, x.grad_scale)
     if hasattr(x, "dtype"):

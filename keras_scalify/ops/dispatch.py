@@ -33,9 +33,11 @@ import importlib
 import inspect
 import types
 
+from keras_scalify import ops as sops
 from keras_scalify.core.scaled_tensor import ON_FIRST_SCALED_TENSOR
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import map_scaled
+from keras_scalify.ops.boundary import to_array
 
 # The namespaces whose functions are wrapped: the public API modules and
 # the package namespace Keras's own layers call (`from keras.src import ops`).
@@ -93,8 +95,6 @@ def _has_scaled(args, kwargs):
 
 def _decode(x):
     """`x` with every ScaledTensor decoded (`to_array`)."""
-    from keras_scalify.ops.boundary import to_array
-
     return map_scaled(lambda v: to_array(v) if type(v) is ScaledTensor else v, x)
 
 
@@ -124,8 +124,6 @@ _EXTRA_RULES = {"shape": _shape, "zeros_like": _zeros_like, "ones_like": _ones_l
 
 
 def _rule(name):
-    from keras_scalify import ops as sops
-
     if name in _EXTRA_RULES:
         return _EXTRA_RULES[name]
     fn = getattr(sops, name, None)

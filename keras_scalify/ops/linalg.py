@@ -14,6 +14,7 @@ import string
 
 from keras import ops
 
+from keras_scalify.backend import fp8
 from keras_scalify.backend.fused import gate_epilogue
 from keras_scalify.backend.gemm import contraction_gemms
 from keras_scalify.backend import scalar as S
@@ -45,6 +46,13 @@ from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import static_pow2_sqrt
 from keras_scalify.ops._common import times
 from keras_scalify.ops._gemm import scaled_gemms
+from keras_scalify.ops._gemm import scaled_gemms_plus
+from keras_scalify.ops.arithmetic import _static_gs
+from keras_scalify.ops.arithmetic import _sum_scales
+from keras_scalify.ops.arithmetic import multiply
+from keras_scalify.ops.casting import cast_on_forward
+from keras_scalify.ops.rescaling import check_rebalance_factor
+from keras_scalify.ops.rescaling import rebalance
 from keras_scalify.ops.shape import cast as _cast
 
 
@@ -136,8 +144,6 @@ def _gemm_factors(cs, r, m=1.0, out_factor=1.0):
 @memoize_scalars
 def _multiplied_scales(scale, g, k):
     """`(scale·P(k), g/P(k))`: the rule of `multiply` by a static `k`."""
-    from keras_scalify.ops.arithmetic import _static_gs
-
     return scale * np_pow2_decompose(float(k))[0], _static_gs(g, k, -1)
 
 
@@ -229,8 +235,6 @@ def cast_contraction(subscripts, x, w, operand_dtype, calibrated=None):
     float16's range (outputs ~2^20 while its grad scale is a guess) stays
     finite. `x` is cast outside (`cast_on_forward`). Rule: as `einsum`
     (`matmul`); `calibrated` as in `matmul`."""
-    from keras_scalify.ops.casting import cast_on_forward
-
     operand_dtype = _check_out_dtype(operand_dtype)
     x = cast_on_forward(x, operand_dtype)
     a = x if is_scaled(x) else promote(x, w, "x")
@@ -283,9 +287,6 @@ def contraction_plus(
     bias's, `ScaledVariable.read_rebalanced`), joined to the sum's factor
     for `c` (the sum is `add(x, ScaledTensor(rescale(c.data, c_factor, 1),
     ...))`'s)."""
-    from keras_scalify.ops._gemm import scaled_gemms_plus
-    from keras_scalify.ops.arithmetic import _sum_scales
-
     ab = _operands(x, w)
     if ab is None or not (c is None or is_scaled(c)):
         return None
@@ -518,9 +519,6 @@ def rebalanced_einsum(subscripts, a, b, factor, out_dtype=None):
     factor commutes with rounding), except that a narrow output that the
     composition would overflow or flush before the factor is rounded
     once, after it."""
-    from keras_scalify.ops.rescaling import check_rebalance_factor
-    from keras_scalify.ops.rescaling import rebalance
-
     check_rebalance_factor(factor)
     if not (is_scaled(a) or is_scaled(b)):
         return rebalance(einsum(subscripts, a, b, out_dtype=out_dtype), factor)
@@ -576,12 +574,8 @@ def _einsum(subscripts, operands, out_dtype, calibrated, multiplier, out_factor)
     if out_dtype is not None and out.dtype != out_dtype:
         out = _cast(out, out_dtype)
     if multiplier is not None and folded is None:
-        from keras_scalify.ops.arithmetic import multiply
-
         out = multiply(out, multiplier)
     if out_factor is not None and rebalanced is None:
-        from keras_scalify.ops.rescaling import rebalance
-
         out = rebalance(out, out_factor)
     return out
 
@@ -605,8 +599,6 @@ def conv(
     if operand_dtype is None:
         x, w = same_dtype(operands)
     else:
-        from keras_scalify.ops.casting import cast_on_forward
-
         operand_dtype = _check_out_dtype(operand_dtype)
         x, w = cast_on_forward(operands[0], operand_dtype), operands[1]
     k = static_count(w.shape[:-1])
@@ -686,8 +678,6 @@ def fp8_einsum(
     "native" or "simulate"). Output data in `out_dtype` (default `x1`'s
     dtype; "float32" keeps the accumulator for an epilogue that rounds
     once). `calibrated` as in `matmul`."""
-    from keras_scalify.backend import fp8
-
     out_dtype = _check_out_dtype(out_dtype)
 
     ab = _operands(x1, x2)

@@ -12,6 +12,7 @@ from keras_scalify.backend import fused
 from keras_scalify.backend import scalar as S
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
+from keras_scalify.ops._common import check_calibrated
 from keras_scalify.ops._common import check_input
 from keras_scalify.ops._common import promote
 from keras_scalify.ops._common import same_dtype
@@ -19,14 +20,26 @@ from keras_scalify.ops._common import scalars
 from keras_scalify.ops._common import static_dim
 from keras_scalify.ops._common import times
 from keras_scalify.core import pow2
+from keras_scalify.ops.arithmetic import _product_grad_scales
+from keras_scalify.ops.arithmetic import _sum_scales
+from keras_scalify.ops.arithmetic import add
+from keras_scalify.ops.arithmetic import multiply
+from keras_scalify.ops.boundary import to_array
+from keras_scalify.ops.linalg import einsum
 from keras_scalify.ops.linalg import operand_grad_scale
 from keras_scalify.ops.math import _pointwise_factors
 from keras_scalify.ops.math import pointwise
+from keras_scalify.ops.math import tanh
+from keras_scalify.ops.rescaling import delayed_rescale_grad
+from keras_scalify.ops.rescaling import delayed_rescale_parts
 from keras_scalify.ops.rescaling import grad_scale_and_factor
+from keras_scalify.ops.rescaling import rebalance
 from keras_scalify.ops.rescaling import with_grad_scale
 from keras_scalify.ops.selection import where
 from keras_scalify.ops.reduction import pow2_sqrt
 from keras_scalify.ops.reduction import reduced_count
+from keras_scalify.ops.shape import cast
+from keras_scalify.ops.shape import repeat
 
 
 
@@ -140,14 +153,6 @@ def affine_layer_normalization(
     (state, statistic)`: `x` first goes through `delayed_rescale_grad(x,
     state, statistic)`, whose re-expression of the cotangent and statistic
     run inside the fused node's backward where it applies."""
-    from keras_scalify.ops.rescaling import delayed_rescale_grad
-    from keras_scalify.ops.rescaling import delayed_rescale_parts
-    from keras_scalify.ops.arithmetic import _product_grad_scales
-    from keras_scalify.ops.arithmetic import _sum_scales
-    from keras_scalify.ops.arithmetic import add
-    from keras_scalify.ops.arithmetic import multiply
-    from keras_scalify.ops._common import check_calibrated
-
     cg, cb = (None, None) if calibrated is None else check_calibrated(calibrated, 2)
     if epsilon is None:
         import keras
@@ -344,14 +349,6 @@ def dot_product_attention(
     than query heads (grouped-query attention) are repeated.
     `flash_attention` is ignored: the computation is unfused.
     """
-    from keras_scalify.ops.arithmetic import multiply
-    from keras_scalify.ops.boundary import to_array
-    from keras_scalify.ops.linalg import einsum
-    from keras_scalify.ops.math import tanh
-    from keras_scalify.ops.rescaling import rebalance
-    from keras_scalify.ops.shape import cast
-    from keras_scalify.ops.shape import repeat
-
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_input(name, x)
     if not any(is_scaled(x) for x in (query, key, value)):

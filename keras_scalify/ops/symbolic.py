@@ -14,6 +14,7 @@ import functools
 import keras
 from keras.src.ops.operation import Operation
 
+from keras_scalify import ops as sops
 from keras_scalify.core.scaled_tensor import ScaledTensor
 
 
@@ -108,8 +109,6 @@ class ScaledOperation(Operation):
         self.arguments = arguments
 
     def call(self, *leaves):
-        from keras_scalify import ops as sops
-
         args = _unflatten(self.arguments["args"], leaves)
         kwargs = _unflatten(self.arguments["kwargs"], leaves)
         return getattr(sops, self.function)(*args, **kwargs)

@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_scalify.policies import named
+
 # Dtypes accepted by each field, in the order they are listed in errors.
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -173,8 +175,6 @@ master=float16 compute=float16 state=float32>
         self._master_dtype = fields["master_dtype"]
         self._state_dtype = fields["state_dtype"]
         self._name = name
-        from keras_scalify.policies import named
-
         named.remember_policy(self)
 
     @property
@@ -252,8 +252,6 @@ master=float16 compute=float16 state=float32>
 
 def _default_name(fields):
     """The name of the named policy with these dtypes, else the custom name."""
-    from keras_scalify.policies import named
-
     for name in named.NAMED_POLICIES:
         if named.named_policy_fields(name) == fields:
             return name
@@ -265,8 +263,6 @@ def _defaults_for(name, given):
     `ScaledDTypePolicy("scaled_fp8")` is that policy), float32 otherwise.
     A name that is neither a named policy nor given any dtype is a typo
     (`"scaled_fp9"`), not a float32 policy: it raises."""
-    from keras_scalify.policies import named
-
     if isinstance(name, str) and name in named.NAMED_POLICIES:
         return named.named_policy_fields(name)
     if (
@@ -299,7 +295,6 @@ def _check_name(name, fields):
             f"'{NAME_PREFIX}' (Keras saves built-in layers' policies by name, "
             "and only such names resolve back to a scaled policy)."
         )
-    from keras_scalify.policies import named
 
     if name in named.NAMED_POLICIES:
         expected = named.named_policy_fields(name)
