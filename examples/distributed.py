@@ -11,9 +11,10 @@ free port on process 0's host):
 
 The device mesh is ("batch", "model") = (devices // M, M), M = `--model`
 (default 4) dividing `--devices-per-process`: the "model" axis lies within
-each process (tensor parallelism over its local devices, with
-`LlamaBackbone.get_layout_map`, less its "batch" sharding of the weights)
-and the "batch" axis spans the processes (data parallelism). `keras.distribution.initialize` calls
+each process and the "batch" axis spans the processes (data parallelism).
+keras-hub's `LlamaBackbone.get_layout_map` shards the weights over both
+axes, so each process holds part of every large weight and of its
+optimizer slots (`scalify` splits such weights on the devices). `keras.distribution.initialize` calls
 `jax.distributed.initialize`; jax on CPU reduces across processes with its
 gloo collectives (the default in jax 0.10). Keras's jax trainer builds the
 global batch with `jax.make_array_from_process_local_data`: each process
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--devices-per-process", type=int, default=None, help="virtual CPU devices per process")
     p.add_argument("--model", type=int, default=4, help='size of the "model" mesh axis (within a process)')
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--policy", default="scaled_fp8")
+    p.add_argument("--policy", default="scaled_fp8", help='a scaled policy, or "none" for plain Keras')
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--launch", action="store_true", help="spawn all the processes on localhost")
     return p.parse_args(argv)
@@ -90,13 +91,7 @@ def main(args):
 
     devices = keras.distribution.list_devices()  # global, process by process
     mesh = keras.distribution.DeviceMesh((len(devices) // args.model, args.model), ["batch", "model"], devices)
-    # keras-hub's map shards the weights over "model" and also over "batch"
-    # (FSDP); "batch" spans the processes, and `scalify` reads each weight
-    # on the host to convert it, which needs a process to hold all of it:
-    # drop "batch" from the weights' layouts (replicated across processes).
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, layout in keras_hub.models.LlamaBackbone.get_layout_map(mesh).items():
-        layout_map[key] = tuple(None if axis == "batch" else axis for axis in layout.axes)
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     keras.distribution.set_distribution(distribution)
 
@@ -104,7 +99,8 @@ def main(args):
         vocabulary_size=128, num_layers=2, num_query_heads=4, num_key_value_heads=2,
         hidden_dim=64, intermediate_dim=128)
     lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    ksc.scalify(lm, dtype=args.policy)  # with the distribution set
+    if args.policy != "none":
+        ksc.scalify(lm, dtype=args.policy)  # with the distribution set
     lm.compile(optimizer=keras.optimizers.AdamW(1e-3), weighted_metrics=[],  # → ksc.ScaledOptimizer
                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
@@ -116,8 +112,11 @@ def main(args):
     x = {"token_ids": tokens[rows], "padding_mask": np.ones_like(tokens[rows])}
     losses = [float(np.ravel(lm.train_on_batch(x, labels[rows]))[0]) for _ in range(args.steps)]
     if pid == 0:
+        # Variables no process holds whole (weights, slots, sharded over
+        # the processes as well).
+        split = sum(not v.value.is_fully_addressable for v in lm.variables + lm.optimizer.variables)
         print(json.dumps({"processes": n_proc, "devices": len(devices), "mesh": list(mesh.shape),
-                          "policy": args.policy, "losses": losses}), flush=True)
+                          "policy": args.policy, "losses": losses, "split_variables": split}), flush=True)
 
 
 if __name__ == "__main__":

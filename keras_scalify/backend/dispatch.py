@@ -28,6 +28,20 @@ def is_concrete(x):
     return True
 
 
+def host_readable(x):
+    """False for a jax array that no single process can read: sharded over
+    devices of several processes (a multi-process `keras.distribution`
+    layout) and not replicated. Such a value is converted on the devices,
+    never through NumPy."""
+    if keras.backend.backend() != "jax":
+        return True
+    import jax
+
+    if not isinstance(x, jax.Array):
+        return True
+    return x.is_fully_addressable or x.is_fully_replicated
+
+
 def value_and_grad(fn):
     """`fn(*args) -> scalar` to `(value, [d fn / d arg])` (all positional).
 

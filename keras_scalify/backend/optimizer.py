@@ -361,13 +361,27 @@ def assign_all(pairs):
 
 
 def cond(pred, true_fn, false_fn):
-    """`keras.ops.cond`, except under `torch.compile`: there Keras's cond is
-    a Python `if` on a tensor (a graph break per call), so both branches
-    run and `where` selects (the branches here are scalar work)."""
-    if keras.backend.backend() == "torch":
+    """`keras.ops.cond`, except where both branches run and `where`
+    selects:
+    - under `torch.compile`, where Keras's cond is a Python `if` on a
+      tensor (a graph break per call);
+    - on jax under a `keras.distribution`: a branch that reduces a sharded
+      weight holds collectives, and XLA's CPU runtime ran a conditional's
+      collectives unreliably: across processes (gloo) they mismatched (a
+      2-process ModelParallel run aborted with "collective mismatch"), and
+      within one process of 8 devices a run hung now and then
+      (`examples/distributed.py`). The branches here are a weight-sized
+      read at most (the rescale's RMS)."""
+    backend = keras.backend.backend()
+    if backend == "torch":
         import torch
 
         if torch.compiler.is_compiling():
+            return ops.where(pred, true_fn(), false_fn())
+    if backend == "jax":
+        import jax
+
+        if jax.process_count() > 1 or keras.distribution.distribution() is not None:
             return ops.where(pred, true_fn(), false_fn())
     return ops.cond(pred, true_fn, false_fn)
 

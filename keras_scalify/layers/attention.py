@@ -13,6 +13,7 @@ from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
+from keras_scalify.layers.base import weight_values
 from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.einsum_dense import ScaledEinsumDense
 from keras_scalify.ops.linalg import rebalanced_einsum
@@ -583,7 +584,7 @@ class ScaledMultiHeadAttention(ScaledLayer):
         scaled = cls.from_config(config)
         if layer.built:
             scaled.build(**cls._shapes_of(layer.get_build_config(), layer.name))
-            scaled.set_weights(layer.get_weights())
+            scaled.set_weights(weight_values(layer))
         return scaled
 
     def to_keras(self, **overrides):
@@ -596,5 +597,5 @@ class ScaledMultiHeadAttention(ScaledLayer):
         layer = keras.layers.MultiHeadAttention.from_config(config)
         if self.built:
             layer.build(**self._shapes_of(self.get_build_config(), self.name))
-            layer.set_weights(self.get_weights())
+            layer.set_weights(weight_values(self))
         return layer

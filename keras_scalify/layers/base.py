@@ -7,6 +7,7 @@ import keras
 import numpy as np
 
 from keras_scalify import ops as sops
+from keras_scalify.backend import host_readable
 from keras_scalify.backend.scalar import _compiling
 from keras_scalify.core.formats import FORMATS
 from keras_scalify.core.scaled_tensor import ScaledTensor
@@ -565,10 +566,21 @@ def copy_built_weights(source, target):
         target.build_from_config(plain_shapes(config))
     elif not target.built:
         target.build(None)
-    weights = source.get_weights()
+    weights = weight_values(source)
     if weights or target.weights:
         target.set_weights(weights)
     return target
+
+
+def weight_values(layer):
+    """`layer.get_weights()`; device tensors of the same values where a
+    process cannot read them into NumPy (a weight sharded across the
+    processes of a `keras.distribution`)."""
+    items = layer._weight_groups() if isinstance(layer, ScaledLayer) else layer.weights
+    values = [w.value for w in items]
+    if all(host_readable(v) for v in values):
+        return layer.get_weights()
+    return values
 
 
 class KernelBiasMixin:

@@ -12,6 +12,7 @@ from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
+from keras_scalify.layers.base import weight_values
 from keras_scalify.layers.dense import matmul_bias_and_activation
 from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.policies import ScaledDTypePolicy
@@ -287,7 +288,7 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
                     f"input shape; call it once on an input."
                 )
             scaled.build(build["input_shape"])
-            scaled.set_weights(layer.get_weights())
+            scaled.set_weights(weight_values(layer))
         return scaled
 
     def to_keras(self, **overrides):
@@ -301,5 +302,5 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
         if self.built:
             build = self.get_build_config() or {}
             layer.build(build["input_shape"])
-            layer.set_weights(self.get_weights())
+            layer.set_weights(weight_values(self))
         return layer

@@ -5,6 +5,7 @@ import numpy as np
 from keras import ops
 from keras.src.backend import standardize_dtype
 
+from keras_scalify.backend import host_readable
 from keras_scalify.backend import scalar as S
 from keras_scalify.core import pow2
 from keras_scalify.core.formats import FP8_DTYPES
@@ -209,6 +210,9 @@ class ScaledVariable:
 
     def assign(self, value):
         """Store `value` (float32-like) as unit-RMS data × pow2 scale."""
+        if not host_readable(value):  # (sharded across processes)
+            self._assign_on_devices(value)
+            return
         value = np.asarray(value, dtype=np.float32)
         if value.shape != self.shape:
             raise ValueError(
@@ -218,6 +222,21 @@ class ScaledVariable:
         data, scale = split_value(value)
         self.data.assign(data.astype(self.data.dtype))
         self.scale.assign(scale)
+
+    def _assign_on_devices(self, value):
+        """`assign` of a value no process can read whole: the RMS reduced on
+        the devices (a replicated scalar every process reads), the data
+        divided there, keeping the value's sharding."""
+        if tuple(value.shape) != self.shape:
+            raise ValueError(
+                f"`value` for weight {self.name!r} must have shape {self.shape}, "
+                f"got {tuple(value.shape)}."
+            )
+        value = ops.cast(value, "float32")
+        r = float(ops.convert_to_numpy(ops.sqrt(ops.mean(ops.square(value)))))
+        scale = pow2.np_pow2_round_down(r) if r > 0 and np.isfinite(r) else 1.0
+        self.data.assign(ops.cast(value / np.float32(scale), self.data.dtype))
+        self.scale.assign(np.float32(scale))
 
     def __repr__(self):
         return f"<ScaledVariable {self.name} shape={self.shape} master={self.master_dtype}>"

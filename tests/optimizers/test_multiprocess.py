@@ -2,7 +2,8 @@
 x 4 virtual CPU devices (`keras.distribution.initialize`, jax's gloo CPU
 collectives, each process feeding its rows of the batch) to the losses it
 has as 1 process x 8 devices: the same ("batch", "model") = (2, 4) mesh,
-"batch" across the processes, "model" within each."""
+"batch" across the processes, "model" within each, the weights and their
+slots sharded over both by keras-hub's own layout map."""
 
 import json
 import math
@@ -38,17 +39,20 @@ def train(policy, processes):
     out = json.loads(lines[0])
     assert (out["processes"], out["devices"], out["mesh"]) == (processes, 8, [2, 4]), out
     assert len(out["losses"]) == 3 and all(map(math.isfinite, out["losses"])), out
+    # keras-hub's layout map shards weights and slots across the processes.
+    assert (out["split_variables"] > 0) == (processes > 1), out
     return out["losses"]
 
 
-# Both runs execute the same program on the same shards; only the
-# cross-"batch" sums of two terms travel by gloo instead of within one
-# process, and a + b is exact either way: measured bitwise equal for both
-# policies. scaled_float32 is held to rtol 1e-5, scaled_fp8 to equality
-# (any difference there would be one of program or data, not of order).
+# Both runs execute the same program on the same shards; the sums across
+# "batch" run through gloo instead of within one process, in another
+# float32 order (seen: the third loss 1 ulp apart, under the suite's XLA
+# flags). scaled_float32 is held to rtol 1e-5; under scaled_fp8 such an
+# ulp can move an E4M3 operand to its neighbour (2^-3 relative for one
+# element), which moves a mean loss far less than its 1e-3.
 # (Each case: ~50 s for the 2 processes and ~25 s for the 1 on 2 cores;
 # the suite runs the first, `KSC_DISTRIBUTION=all` both.)
-CASES = [("scaled_float32", 1e-5), ("scaled_fp8", 0.0)]
+CASES = [("scaled_float32", 1e-5), ("scaled_fp8", 1e-3)]
 
 
 @pytest.mark.parametrize("policy, rtol", CASES)
@@ -56,7 +60,4 @@ def test_two_processes_train_as_one(policy, rtol):
     if (policy, rtol) != CASES[0] and os.environ.get("KSC_DISTRIBUTION") != "all":
         pytest.skip("KSC_DISTRIBUTION=all runs it (suite time)")
     two, one = train(policy, 2), train(policy, 1)
-    if rtol:
-        assert two == pytest.approx(one, rel=rtol), (two, one)
-    else:
-        assert two == one
+    assert two == pytest.approx(one, rel=rtol), (two, one)
