@@ -51,13 +51,19 @@ def _rebalanced(p, scale):
     return 1.0 / k, S.ones_like(k), S.where(nonzero, scale * k, 0.0)
 
 
+def scale_of_rms(r):
+    """The pow2 scale of a weight whose RMS is `r` (a Python float): `r`
+    rounded down to a power of two; 1 for an all-zero (or non-finite)
+    weight, so that updates can grow it."""
+    return np.float32(pow2.np_pow2_round_down(r) if r > 0 and np.isfinite(r) else 1.0)
+
+
 def split_value(value):
     """Exact pow2 split of a float32 array: `(data, scale)` with unit-RMS
-    data; an all-zero array gets scale 1 (so updates can grow it)."""
+    data (`scale_of_rms`)."""
     value = np.asarray(value, dtype=np.float32)
-    r = float(np.sqrt(np.mean(np.square(value, dtype=np.float64)))) if value.size else 0.0
-    scale = pow2.np_pow2_round_down(r) if r > 0 and np.isfinite(r) else 1.0
-    return value / np.float32(scale), np.float32(scale)
+    scale = scale_of_rms(float(np.sqrt(np.mean(np.square(value, dtype=np.float64)))) if value.size else 0.0)
+    return value / scale, scale
 
 
 class ScaledVariable:
@@ -233,10 +239,9 @@ class ScaledVariable:
                 f"got {tuple(value.shape)}."
             )
         value = ops.cast(value, "float32")
-        r = float(ops.convert_to_numpy(ops.sqrt(ops.mean(ops.square(value)))))
-        scale = pow2.np_pow2_round_down(r) if r > 0 and np.isfinite(r) else 1.0
-        self.data.assign(ops.cast(value / np.float32(scale), self.data.dtype))
-        self.scale.assign(np.float32(scale))
+        scale = scale_of_rms(float(ops.convert_to_numpy(ops.sqrt(ops.mean(ops.square(value))))))
+        self.data.assign(ops.cast(value / scale, self.data.dtype))
+        self.scale.assign(scale)
 
     def __repr__(self):
         return f"<ScaledVariable {self.name} shape={self.shape} master={self.master_dtype}>"
