@@ -15,6 +15,8 @@ holding the same (represented) weights:
   and tasks, subclassed models) the convertible sublayers are replaced in
   place (`convert_inplace.py`) by plain-I/O scaled layers.
 
+Either way the root becomes a `models.ScalifiedModel` (saving, weights).
+
 `unscalify(model)` does the opposite: every scaled layer becomes its Keras
 counterpart with the represented float32 weights, boundary layers
 (`AsScaled`, `ToArray`) and `DynamicRescaleGrad` (identity forward) are
@@ -148,7 +150,8 @@ def _is_graph_model(model):
     rebuilt by `scalify`. Every other model is converted in place."""
     from keras.src.models.functional import Functional
 
-    return type(model) in (keras.Sequential, keras.Model, Functional) and (
+    cls = getattr(type(model), "_ksc_original_class", type(model))
+    return cls in (keras.Sequential, keras.Model, Functional) and (
         isinstance(model, keras.Sequential) or hasattr(model, "_nodes_by_depth")
     )
 
@@ -330,14 +333,12 @@ def _finish(model, new):
 def _scaled_optimizer_config(config, model):
     """A plain optimizer's config, wrapped in a `ScaledOptimizer` when
     `model` has scaled weights (a plain optimizer cannot train them)."""
-    from keras.src.saving import serialization_lib
-
     if config is None or not scaled_variables_in(model.trainable_variables):
         return config
-    optimizer = serialization_lib.deserialize_keras_object(config)
+    optimizer = keras.saving.deserialize_keras_object(config)
     if isinstance(optimizer, ScaledOptimizer):
         return config
-    return serialization_lib.serialize_keras_object(ScaledOptimizer(optimizer))
+    return keras.saving.serialize_keras_object(ScaledOptimizer(optimizer))
 
 
 def _sequential_graph(model):
@@ -366,8 +367,10 @@ def _check_model(model, fn_name):
         )
 
 
-def _rebuild(model, make_step, fn_name):
-    """Sequential → Sequential, Functional → Functional, via `make_step`."""
+def _rebuild(model, make_step, fn_name, scalify_args=None):
+    """Sequential → Sequential, Functional → Functional, via `make_step`;
+    with `scalify_args` (`dtype, exclude`), the new model's root becomes a
+    `ScalifiedModel` of `model` (`models.attach`)."""
     _check_model(model, fn_name)
     names = _Names(model)
     sequential = isinstance(model, keras.Sequential)
@@ -380,6 +383,8 @@ def _rebuild(model, make_step, fn_name):
         new = keras.Sequential([new_inputs] + called, name=model.name)
     else:
         new = keras.Model(new_inputs, outputs, name=model.name)
+    if scalify_args is not None:
+        models.attach(new, *scalify_args, original=model)
     return _finish(model, new)
 
 
@@ -583,6 +588,10 @@ def scalify(model, dtype=None, exclude=()):
         exclude: layer names or classes to keep as plain Keras layers (with
             everything inside them).
 
+    Either way the returned model's root is a `models.ScalifiedModel`
+    (its `.keras` file replays this call on the original; its
+    `get_weights`/`set_weights`/`count_params` are the original's).
+
     Returns:
         A new `keras.Sequential` / Functional `keras.Model` for a plain one,
         else `model` itself.
@@ -596,7 +605,7 @@ def scalify(model, dtype=None, exclude=()):
         return _ScalifyStep(names, called, dtype, exclude)
 
     if _is_graph_model(model):
-        return _rebuild(model, make_step, "scalify")
+        return _rebuild(model, make_step, "scalify", (dtype, exclude))
     _check_model(model, "scalify")
     models.attach(model, dtype, exclude)
     make_step(None, None).inside(model)

@@ -25,7 +25,7 @@ from keras_scalify.core import pow2
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
-from keras_scalify.layers.base import STATE_ATTRS
+from keras_scalify.layers.base import count_weight_params
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.own_weights import plain_kernel_owners
 from keras_scalify.ops.boundary import to_array
@@ -98,18 +98,11 @@ def scaled_value_and_grad(fn):
 
 def count_params(model):
     """The number of parameters of `model` as its plain Keras original
-    counts them: a ScaledVariable by its data; weight scales, gradient
-    scales and delayed-rescaling states are bookkeeping and not counted.
-    Equal to the original's `count_params()` after `scalify`."""
-    n = 0
-    for v in model.weights:
-        sv = getattr(v, "_ksc_scaled_variable", None)
-        if sv is not None and v is not sv.data:
-            continue
-        if v.name in STATE_ATTRS:
-            continue
-        n += int(np.prod(v.shape))
-    return n
+    counts them (`layers.base.count_weight_params`): a ScaledVariable by
+    its data; weight scales, gradient scales and delayed-rescaling states
+    are bookkeeping and not counted. Equal to the original's
+    `count_params()` after `scalify`."""
+    return count_weight_params(model)
 
 
 def _einsum_flops(equation, x_shape, kernel_shape):

@@ -1,10 +1,11 @@
-"""The root of a model that `scalify` converted in place, and its `.keras` file.
+"""The root of every model that `scalify` converts, and its `.keras` file.
 
 A keras-hub backbone or task, or a subclassed model, is rebuilt by its own
 class's `from_config` when a `.keras` file is loaded: its config holds
 hyperparameters, not sublayers, so a plain `from_config` gives back the
-plain model. `scalify` therefore gives the root of a model it converts in
-place a subclass of the root's class (`ScalifiedModel` first in its MRO),
+plain model. `scalify` therefore gives the root of a model it converts
+(in place, or the new root of a rebuilt Sequential/Functional graph) a
+subclass of the root's class (`ScalifiedModel` first in its MRO),
 registered as `keras_scalify>ScalifiedModel`, whose config is
 
     {"model": <the original's serialized config, taken before conversion>,
@@ -15,13 +16,16 @@ calls, and returns the converted model. Keras then loads every variable
 of the converted model (data in its master dtype, scales, grad scales,
 delayed-rescaling states) and, for a compiled model, its optimizer's: the
 loaded model is the saved one, bit for bit, and training resumes where it
-stopped. `unscalify` gives the root its class back; save the unscalified
-model for a file that loads without keras_scalify.
+stopped. `unscalify` gives the root its class back (a rebuilt graph: a
+new plain model); save the unscalified model for a file that loads
+without keras_scalify.
 
 The class also makes the Keras workflow of such a model work as Keras's
-own wrappers do: `compile` with a plain optimizer (a keras-hub task's
-default included) trains through `ScaledOptimizer`, and `quantize(mode)`
-for serving quantizes the unscalified model.
+own wrappers do: `get_weights`/`set_weights`/`count_params` are the
+plain original's (a scaled weight as its represented float32 value);
+`compile` with a plain optimizer (a keras-hub task's default included)
+trains through `ScaledOptimizer`; `quantize(mode)` for serving quantizes
+the unscalified model.
 """
 
 import functools
@@ -30,7 +34,9 @@ import importlib
 import keras
 
 from keras_scalify import convert
-from keras_scalify.debug import count_params
+from keras_scalify.layers.base import assign_weights
+from keras_scalify.layers.base import count_weight_params
+from keras_scalify.layers.base import weight_values
 from keras_scalify.optimizers import ScaledOptimizer
 from keras_scalify.optimizers.guard import scaled_variables_in
 
@@ -40,7 +46,7 @@ _CLASSES = {}
 
 
 class ScalifiedModel:
-    """Mixin of the root of a model converted in place (see the module)."""
+    """Mixin of the root of a scalified model (see the module)."""
 
     def get_config(self):
         if isinstance(self._ksc_original_config, Exception):
@@ -111,14 +117,32 @@ class ScalifiedModel:
         (Keras binds each layer's `quantize` on the instance when it is
         created: `attach` binds this one there, `detach` puts Keras's
         back.)"""
+        if self._ksc_rebuilt:
+            raise ValueError(
+                f"Model {self.name!r} was rebuilt by `scalify` (a Sequential "
+                f"or Functional model): quantize its plain copy, "
+                f"`plain = keras_scalify.unscalify(model)` (the trained, "
+                f"represented weights), then `plain.quantize({mode!r})`."
+            )
         convert.unscalify(self)
         return self.quantize(mode, *args, **kwargs)
 
+    def get_weights(self):
+        """The plain original's `get_weights()`: the same list, a scaled
+        weight's represented float32 value in its place
+        (`layers.base.weight_values`)."""
+        return weight_values(self)
+
+    def set_weights(self, weights):
+        """Sets weights from the plain original's `get_weights()` list (or
+        this model's): a scaled weight's value is split into data and pow2
+        scale; rescaling states are kept."""
+        assign_weights(self, weights)
+
     def count_params(self):
         """Parameters as the plain original counts them (a scaled
-        weight's data; scales and rescaling states are bookkeeping):
-        `keras_scalify.debug.count_params`."""
-        return count_params(self)
+        weight's data; scales and rescaling states are bookkeeping)."""
+        return count_weight_params(self)
 
     def get_build_config(self):
         # The original's build config is inside `get_config()["model"]`.
@@ -135,27 +159,36 @@ class ScalifiedModel:
             self.optimizer.build(self.trainable_variables)
 
 
-def attach(model, dtype, exclude):
+def attach(model, dtype, exclude, original=None):
     """Records a `scalify(model, dtype, exclude)` on the root `model`
-    converted in place: called before the conversion (the first call takes
-    the original's config) and given its class's `ScalifiedModel` subclass.
-    """
+    converted in place, before the conversion (the first call takes the
+    original's config), and gives it its class's `ScalifiedModel`
+    subclass. For a rebuilt Sequential/Functional `model`, `original` is
+    the model it was rebuilt from (its config and earlier calls are
+    `model`'s)."""
     call = {
         "dtype": _serialize_dtype(dtype),
         "exclude": [_serialize_exclude(e) for e in exclude],
     }
-    if isinstance(model, ScalifiedModel):
+    if original is None and isinstance(model, ScalifiedModel):
         model._ksc_scalify_calls.append(call)
         return
-    try:
-        config = keras.saving.serialize_keras_object(model)
-    except Exception as e:  # a model without a config: saving says so
-        config = e
+    source = model if original is None else original
+    if isinstance(source, ScalifiedModel):
+        config = source._ksc_original_config
+        calls = [dict(c) for c in source._ksc_scalify_calls] + [call]
     else:
-        config.pop("compile_config", None)  # compiled again by the outer config
+        try:
+            config = keras.saving.serialize_keras_object(source)
+        except Exception as e:  # a model without a config: saving says so
+            config = e
+        else:
+            config.pop("compile_config", None)  # compiled again by the outer config
+        calls = [call]
     # (Plain attributes: not tracked by Keras, not torch module state.)
     object.__setattr__(model, "_ksc_original_config", config)
-    object.__setattr__(model, "_ksc_scalify_calls", [call])
+    object.__setattr__(model, "_ksc_scalify_calls", calls)
+    object.__setattr__(model, "_ksc_rebuilt", original is not None)
     object.__setattr__(model, "_ksc_keras_quantize", model.__dict__.get("quantize"))
     object.__setattr__(model, "__class__", _scalified_class(type(model)))
     object.__setattr__(model, "quantize", functools.partial(ScalifiedModel.quantize, model))
@@ -173,6 +206,7 @@ def detach(model):
         object.__setattr__(model, "quantize", keras_quantize)
     object.__delattr__(model, "_ksc_original_config")
     object.__delattr__(model, "_ksc_scalify_calls")
+    object.__delattr__(model, "_ksc_rebuilt")
 
 
 def _scalified_class(cls):

@@ -123,9 +123,7 @@ class ScaledLayer(keras.layers.Layer):
     def compute_output_spec(self, *args, **kwargs):
         """By default, traced from `call` (Keras would derive it from
         `compute_output_shape`, which is derived from this)."""
-        from keras.src.ops.operation import Operation
-
-        return Operation.compute_output_spec(self, *args, **kwargs)
+        return keras.Operation.compute_output_spec(self, *args, **kwargs)
 
     def compute_output_shape(self, *args, **kwargs):
         """The data shape(s) of `compute_output_spec` on inputs of these
@@ -224,26 +222,19 @@ class ScaledLayer(keras.layers.Layer):
     def scaled_weights(self):
         return list(self._scaled_weights)
 
-    def _weight_groups(self):
-        """Each weight once: a ScaledVariable for its three parts;
-        delayed-rescaling states (bookkeeping) left out."""
-        layers = self._flatten_layers(include_self=True, recursive=True)
-        return _group_weights(layers, self.weights)
-
     def get_weights(self):
-        """Represented float32 values of scaled weights, then plain weights."""
-        return [np.asarray(keras.ops.convert_to_numpy(w.value)) if isinstance(w, ScaledVariable) else w.numpy() for w in self._weight_groups()]
+        """The Keras twin's weights: a scaled weight's represented float32
+        value (`weight_values`), plain weights as they are."""
+        return weight_values(self)
 
     def set_weights(self, weights):
-        groups = self._weight_groups()
-        if len(weights) != len(groups):
-            raise ValueError(
-                f"`weights` must have {len(groups)} arrays for layer "
-                f"{self.name!r}, got {len(weights)}."
-            )
-        for item, value in zip(groups, weights):
-            item.assign(value)
+        """Sets the Keras twin's weights (`get_weights` order): a scaled
+        weight is split into data and pow2 scale (`assign_weights`)."""
+        assign_weights(self, weights)
 
+    def count_params(self):
+        """The Keras twin's parameter count (`count_weight_params`)."""
+        return count_weight_params(self)
 
     def get_build_config(self):
         """Keras's build config with plain shapes: a ScaledTensor input
@@ -259,27 +250,52 @@ class ScaledLayer(keras.layers.Layer):
 STATE_ATTRS = ("grad_scale_state", "plain_io_grad_scale_state")
 
 
-def _group_weights(layers, variables):
-    """`variables` in order, each ScaledVariable (of `layers`) once in place
-    of its parts, the states of `layers` left out."""
-    owner, skip = {}, set()
-    for layer in layers:
-        for sv in getattr(layer, "_scaled_weights", []):
-            for v in sv.variables:
-                owner[id(v)] = sv
+def weight_groups(root):
+    """`root.weights` (a layer or a model) as its Keras twin lists them:
+    each ScaledVariable once, in place of its three parts, and the
+    delayed-rescaling states (bookkeeping) left out."""
+    skip = set()
+    for layer in root._flatten_layers(include_self=True, recursive=True):
         for attr in STATE_ATTRS:
             state = getattr(layer, attr, None)
             if state is not None:
                 skip.add(id(state))
     seen, out = set(), []
-    for v in variables:
+    for v in root.weights:
         if id(v) in skip:
             continue
-        item = owner.get(id(v), v)
+        item = getattr(v, "_ksc_scaled_variable", None) or v
         if id(item) not in seen:
             seen.add(id(item))
             out.append(item)
     return out
+
+
+def assign_weights(root, weights):
+    """`set_weights(weights)` of `root`'s Keras twin (`weight_groups`
+    order): a scaled weight's value is split into data and pow2 scale."""
+    groups = weight_groups(root)
+    if len(weights) != len(groups):
+        raise ValueError(
+            f"`weights` must have {len(groups)} arrays for {root.name!r} "
+            f"(its Keras twin's `get_weights()`), got {len(weights)}."
+        )
+    for item, value in zip(groups, weights):
+        if tuple(item.shape) != tuple(np.shape(value)):
+            path = item.data.path if hasattr(item, "data") else item.path
+            raise ValueError(
+                f"`weights` entry for {path!r} must have shape "
+                f"{tuple(item.shape)}, got {tuple(np.shape(value))}."
+            )
+    for item, value in zip(groups, weights):
+        item.assign(value)
+
+
+def count_weight_params(root):
+    """`count_params()` of `root`'s Keras twin: a scaled weight counts its
+    data's size; scales, gradient scales and rescaling states are
+    bookkeeping and not counted."""
+    return int(sum(np.prod(w.shape) for w in weight_groups(root)))
 
 
 _PLAIN_IO_CLASSES = {}
@@ -572,14 +588,14 @@ def copy_built_weights(source, target):
     return target
 
 
-def weight_values(layer):
-    """`layer.get_weights()`; device tensors of the same values where a
-    process cannot read them into NumPy (a weight sharded across the
-    processes of a `keras.distribution`)."""
-    items = layer._weight_groups() if isinstance(layer, ScaledLayer) else layer.weights
-    values = [w.value for w in items]
+def weight_values(root):
+    """`get_weights()` of `root`'s Keras twin (`weight_groups` order): a
+    scaled weight's represented float32 value. Device tensors of the same
+    values where a process cannot read them into NumPy (a weight sharded
+    across the processes of a `keras.distribution`)."""
+    values = [w.value for w in weight_groups(root)]
     if all(host_readable(v) for v in values):
-        return layer.get_weights()
+        return [np.asarray(keras.ops.convert_to_numpy(v)) for v in values]
     return values
 
 

@@ -54,10 +54,21 @@ def test_keras_file_keeps_optimizer_state_and_training_resumes(tmp_path):
 
 def test_plain_optimizer_on_scaled_weights_raises():
     x, y = data(n=16)
-    model = scaled_mlp("scaled_float32")
+    model = keras.Sequential(
+        [keras.Input((8,)), ksc.layers.ScaledDense(4, dtype="scaled_float32"), ksc.layers.ToArray()]
+    )
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     with pytest.raises(TypeError, match="ScaledOptimizer"):
         model.fit(x, y, verbose=0)
+
+
+def test_scalified_model_wraps_a_plain_optimizer():
+    """A scalified model's `compile` wraps a plain optimizer, as Keras
+    wraps one in `LossScaleOptimizer` under `mixed_float16`."""
+    model = scaled_mlp("scaled_float32")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    assert isinstance(model.optimizer, ksc.ScaledOptimizer)
+    assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.Adam)
 
 
 def test_plain_keras_layers_train_beside_scaled_ones():
