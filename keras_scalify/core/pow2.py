@@ -18,6 +18,7 @@ power of two, which is always >= 0):
 
 import math
 
+import keras
 from keras import ops
 
 from keras_scalify.backend import scalar as S
@@ -52,9 +53,7 @@ def _as_f32(x):
 
 
 def _is_float(dtype):
-    from keras.src.backend import standardize_dtype
-
-    return standardize_dtype(dtype) in (
+    return keras.backend.standardize_dtype(dtype) in (
         "float16",
         "bfloat16",
         "float32",

@@ -27,7 +27,6 @@ element's pair in one fused loop, `backend.scalar.pair_noise`.)
 """
 
 import keras
-from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import scalar as S
 from keras_scalify.core.formats import get_format
@@ -117,7 +116,7 @@ def stochastic_cast(x, dtype, seed=None, key=None, owned=False, into=None):
             the result may be written there and `into` returned; callers
             compare identity (elsewhere, a new tensor).
     """
-    dtype = standardize_dtype(dtype)
+    dtype = keras.backend.standardize_dtype(dtype)
     x = S.cast(x, "float32")
     if dtype == "float32":
         return x
@@ -162,7 +161,7 @@ def stochastic_cast_all(xs, dtype, keys, owned=False, intos=None):
     (`backend.scalar.batches`: a model's biases, norms, attention
     projections) are rounded together, concatenated: one pass of ~20 ops
     instead of ~20 ops each."""
-    dtype = standardize_dtype(dtype)
+    dtype = keras.backend.standardize_dtype(dtype)
     out = [None] * len(xs)
     small = [i for i, x in enumerate(xs) if S.batches(x)]
     if dtype in DROPPED_BITS and len(small) > 1:

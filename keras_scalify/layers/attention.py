@@ -449,7 +449,7 @@ class ScaledMultiHeadAttention(ScaledLayer):
         # rounding to the compute dtype, so the softmax backward converts
         # any ratio.
         scores = self._masked_softmax(scores, attention_mask, value)
-        scores = sops.cast(scores, keras.src.backend.standardize_dtype(self.compute_dtype))
+        scores = sops.cast(scores, keras.backend.standardize_dtype(self.compute_dtype))
         if self._dropout > 0.0:
             final = self._dropout_layer(scores, training=training)
         else:

@@ -126,13 +126,13 @@ class _ScaledConv(KernelBiasMixin, ScaledLayer):
             )
         mm = self.policy_dtype("matmul_dtype")
         gd = self.policy_dtype("grad_dtype")
-        if keras.src.backend.standardize_dtype(mm) in FP8_DTYPES:
+        if keras.backend.standardize_dtype(mm) in FP8_DTYPES:
             self._fp8_route = "simulate"
             y = self._conv(sops.cast_on_forward(x, mm), sops.cast_on_forward(self._kernel.read(), mm))
         else:  # (the kernel cast inside: its gradient in its master dtype)
             y = self._conv(x, self._kernel.read(), operand_dtype=mm)
         y = sops.cast_on_backward(y, gd)
-        dtype = keras.src.backend.standardize_dtype(self.compute_dtype)
+        dtype = keras.backend.standardize_dtype(self.compute_dtype)
         if self._bias is None and self._act is None:
             return sops.cast(y, dtype)
         y = to_float32(y)

@@ -3,7 +3,6 @@
 import functools
 
 import keras
-from keras.src.initializers.random_initializers import VarianceScaling
 from keras.src.layers.core.einsum_dense import _analyze_einsum_string
 
 from keras_scalify.core.scaled_tensor import is_scaled
@@ -161,7 +160,7 @@ class ScaledEinsumDense(KernelBiasMixin, ScaledLayer):
 
     def _kernel_init(self, input_axes, output_axes):
         init = self.kernel_initializer
-        if isinstance(init, VarianceScaling) and (
+        if isinstance(init, keras.initializers.VarianceScaling) and (
             init.input_axes is None or init.output_axes is None
         ):
             config = init.get_config()

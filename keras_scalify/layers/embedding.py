@@ -69,7 +69,7 @@ class ScaledEmbedding(ScaledLayer):
                 f"`inputs` of {self.name} must be integer token ids, got a "
                 f"ScaledTensor (use reverse=True for the output projection)."
             )
-        dtype = keras.src.backend.standardize_dtype(getattr(inputs, "dtype", "int32"))
+        dtype = keras.backend.standardize_dtype(getattr(inputs, "dtype", "int32"))
         if "int" not in dtype:
             inputs = ops.cast(inputs, "int32")
         # The lookup reads a float32 copy of the table (exact): its gradient,

@@ -3,7 +3,6 @@
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import host_readable
 from keras_scalify.backend import scalar as S
@@ -100,7 +99,7 @@ class ScaledVariable:
     ):
         while ON_FIRST_SCALED_VARIABLE:
             ON_FIRST_SCALED_VARIABLE.pop(0)()
-        master_dtype = standardize_dtype(master_dtype)
+        master_dtype = keras.backend.standardize_dtype(master_dtype)
         if master_dtype in FP8_DTYPES or master_dtype not in MASTER_DTYPES:
             raise ValueError(
                 f"`master_dtype` must be one of {MASTER_DTYPES} for a weight that "
@@ -113,7 +112,7 @@ class ScaledVariable:
         data, scale = split_value(value)
         self.name = name
         self.master_dtype = master_dtype
-        self.state_dtype = standardize_dtype(state_dtype)
+        self.state_dtype = keras.backend.standardize_dtype(state_dtype)
         self.data = layer.add_weight(
             name=name,
             shape=shape,

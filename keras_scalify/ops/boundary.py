@@ -5,7 +5,6 @@ import math
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend import standardize_dtype
 
 from keras_scalify.backend import is_concrete
 from keras_scalify.backend import scalar as S
@@ -153,10 +152,10 @@ def to_array(x, dtype=None):
     s = ops.stop_gradient(x.scale)
     gs = ops.stop_gradient(x.grad_scale)
     data = x.data
-    if standardize_dtype(data.dtype) != "float32":
+    if keras.backend.standardize_dtype(data.dtype) != "float32":
         data = ops.cast(data, "float32")
     one = ops.ones((), "float32")
     out = rescale(data, s, one / gs)
-    if dtype is not None and standardize_dtype(dtype) != "float32":
+    if dtype is not None and keras.backend.standardize_dtype(dtype) != "float32":
         out = ops.cast(out, dtype)
     return out

@@ -12,7 +12,6 @@ so such models save and load.
 import functools
 
 import keras
-from keras.src.ops.operation import Operation
 
 from keras_scalify import ops as sops
 from keras_scalify.core.scaled_tensor import ScaledTensor
@@ -98,7 +97,7 @@ def _repack(x):
 
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
-class ScaledOperation(Operation):
+class ScaledOperation(keras.Operation):
     """The node of a `keras_scalify.ops` function in a Functional graph."""
 
     def __init__(self, function, arguments, name=None):

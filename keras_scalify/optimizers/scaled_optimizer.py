@@ -5,9 +5,6 @@ import math
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend import standardize_dtype
-from keras.src.optimizers import optimizer as keras_optimizer
-from keras.src.saving import serialization_lib
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.utils import tracking
 
@@ -36,7 +33,7 @@ STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @keras.saving.register_keras_serializable(package="keras_scalify")
-class ScaledOptimizer(keras_optimizer.Optimizer):
+class ScaledOptimizer(keras.optimizers.Optimizer):
     """Runs a Keras optimizer on the weights that scaled layers represent.
 
     Each step, for every `ScaledVariable`:
@@ -657,7 +654,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
         del config["learning_rate"]
         config.update(
             {
-                "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 "state_dtype": self.state_dtype,
                 "rescale_every": self.rescale_every,
                 "stochastic_rounding": self.stochastic_rounding,
@@ -669,7 +666,7 @@ class ScaledOptimizer(keras_optimizer.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = serialization_lib.deserialize_keras_object(
+        inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
@@ -742,12 +739,12 @@ def _select(pred, a, b):
 
 
 def _is_float(dtype):
-    return "float" in standardize_dtype(dtype)
+    return "float" in keras.backend.standardize_dtype(dtype)
 
 
 def _check_state_dtype(dtype, arg):
     try:
-        name = standardize_dtype(dtype)
+        name = keras.backend.standardize_dtype(dtype)
     except Exception:
         raise ValueError(
             f"`{arg}` must be one of {STATE_DTYPES}, got {dtype!r} (not a "
