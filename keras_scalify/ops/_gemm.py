@@ -3,7 +3,7 @@
 `scaled_gemms(gemms, a, b, factors, out_dtype)` computes
 `gemms.forward(a, b) · f_out` and, backward, `gemms.grad_a(g, b) · f_a` and
 `gemms.grad_b(a, g) · f_b`, each GEMM returning float32 and each `f` a
-float32 power of two from the scale rule (`ops/linalg.py`). A pow2 factor
+float32 power of two from the scale rule (`ops/linalg/rules.py`). A pow2 factor
 costs no pass of its own:
 
 - a factor the host knows (eager torch on the CPU, `backend.scalar.host_value`)
