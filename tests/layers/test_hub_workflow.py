@@ -36,6 +36,12 @@ def _data(name):
 
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_a_converted_task_fits_with_its_own_compile(name):
+    if name == "bert_classifier" and keras.backend.backend() != "torch":
+        pytest.skip(
+            "suite time (55-62 s on jax/TensorFlow): the task's own compile "
+            "and its wrapping are backend-independent code; the causal LM "
+            "fits on every backend, the classifier on torch"
+        )
     model = TASKS[name][0]()
     ksc.scalify(model, dtype="scaled_fp8")
     assert isinstance(model.optimizer, ksc.ScaledOptimizer)  # the task's default, wrapped
