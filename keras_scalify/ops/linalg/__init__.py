@@ -1,11 +1,6 @@
-"""Scale rules of contractions: matmul, dot, einsum.
-
-Rule (jax-scalify's `dot_general`, generalised to batch dims and einsum):
-`s = Π s_i · r` and `d = contraction(data) / r` with `r = P(sqrt(K))`, K the
-contracted size. Gradient scale (inverse unit-scaling backward rule): the
-backward of operand i contracts `n_i = size(out)·K/size(i)` elements, so
-`g = mean_i(g_i / (Π_{j≠i} s_j · P(sqrt(n_i))))`, over the operands whose
-grad scale was measured (`calibrated=`; a weight's guess does not vote).
+"""Scale rules of contractions: matmul, dot, einsum, conv (the rule is
+stated in `rules.py`: the product of the operands' scales times
+`P(sqrt(K))`, K the contracted size, and its inverse backward rule).
 
 - `rules.py`: the rule's scalars (scale, grad scale, cotangent and GEMM
   factors), `operand_grad_scale`, and `_contract`, which applies the rule
