@@ -103,7 +103,7 @@ def test_weights_interoperate_with_the_plain_twin(name, scaled_float32):
     plain = twin.get_weights()
     scaled = layer.get_weights()
     assert [w.shape for w in scaled] == [w.shape for w in plain]
-    assert sum(w.size for w in scaled) == twin.count_params()
+    assert sum(w.size for w in scaled) == twin.count_params() == layer.count_params()
     # Every weight is a data/scale/grad-scale triple of Keras variables;
     # the rest are delayed-rescaling states (float32 scalars).
     parts = [w for w in layer.weights if hasattr(w, "_ksc_scaled_variable")]
