@@ -25,7 +25,7 @@ from keras_scalify.core import pow2
 from keras_scalify.core.formats import get_format
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
-from keras_scalify.layers.base import count_weight_params
+from keras_scalify.layers.weights import count_weight_params
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.own_weights import plain_kernel_owners
 from keras_scalify.ops.boundary import to_array
@@ -98,7 +98,7 @@ def scaled_value_and_grad(fn):
 
 def count_params(model):
     """The number of parameters of `model` as its plain Keras original
-    counts them (`layers.base.count_weight_params`): a ScaledVariable by
+    counts them (`layers.weights.count_weight_params`): a ScaledVariable by
     its data; weight scales, gradient scales and delayed-rescaling states
     are bookkeeping and not counted. Equal to the original's
     `count_params()` after `scalify`."""

@@ -34,9 +34,9 @@ import importlib
 import keras
 
 from keras_scalify import convert
-from keras_scalify.layers.base import assign_weights
-from keras_scalify.layers.base import count_weight_params
-from keras_scalify.layers.base import weight_values
+from keras_scalify.layers.weights import assign_weights
+from keras_scalify.layers.weights import count_weight_params
+from keras_scalify.layers.weights import weight_values
 from keras_scalify.optimizers import ScaledOptimizer
 from keras_scalify.optimizers.guard import scaled_variables_in
 
@@ -130,7 +130,7 @@ class ScalifiedModel:
     def get_weights(self):
         """The plain original's `get_weights()`: the same list, a scaled
         weight's represented float32 value in its place
-        (`layers.base.weight_values`)."""
+        (`layers.weights.weight_values`)."""
         return weight_values(self)
 
     def set_weights(self, weights):

@@ -7,9 +7,9 @@ from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import cast_to_compute
-from keras_scalify.layers.base import check_keras_layer
-from keras_scalify.layers.base import keras_base_kwargs
-from keras_scalify.layers.base import scaled_base_kwargs
+from keras_scalify.layers.keras_twin import check_keras_layer
+from keras_scalify.layers.keras_twin import keras_base_kwargs
+from keras_scalify.layers.keras_twin import scaled_base_kwargs
 from keras_scalify.layers.base import spec_like
 
 def _gelu(x):

@@ -13,7 +13,7 @@ from keras_scalify.core import pow2
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
-from keras_scalify.layers.base import weight_values
+from keras_scalify.layers.weights import weight_values
 from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.layers.einsum_dense import ScaledEinsumDense
 from keras_scalify.ops.linalg import rebalanced_einsum

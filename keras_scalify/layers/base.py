@@ -7,17 +7,19 @@ import keras
 import numpy as np
 
 from keras_scalify import ops as sops
-from keras_scalify.backend import host_readable
 from keras_scalify.backend.scalar import _compiling
 from keras_scalify.core.formats import FORMATS
 from keras_scalify.core.scaled_tensor import ScaledTensor
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.variable import ScaledVariable
+from keras_scalify.layers.weights import add_grad_scale_state
+from keras_scalify.layers.weights import assign_weights
+from keras_scalify.layers.weights import count_weight_params
+from keras_scalify.layers.weights import weight_values
 from keras_scalify.ops.boundary import as_scaled
 from keras_scalify.ops.boundary import encode
 from keras_scalify.ops.symbolic import _has_symbolic
-from keras_scalify.policies import ScaledDTypePolicy
 
 _DEFAULTS = {
     "compute_dtype": None,
@@ -245,59 +247,6 @@ class ScaledLayer(keras.layers.Layer):
         return None if config is None else plain_shapes(config)
 
 
-# The delayed-rescaling states a scaled layer may hold (bookkeeping, not
-# weights of the Keras counterpart).
-STATE_ATTRS = ("grad_scale_state", "plain_io_grad_scale_state")
-
-
-def weight_groups(root):
-    """`root.weights` (a layer or a model) as its Keras twin lists them:
-    each ScaledVariable once, in place of its three parts, and the
-    delayed-rescaling states (bookkeeping) left out."""
-    skip = set()
-    for layer in root._flatten_layers(include_self=True, recursive=True):
-        for attr in STATE_ATTRS:
-            state = getattr(layer, attr, None)
-            if state is not None:
-                skip.add(id(state))
-    seen, out = set(), []
-    for v in root.weights:
-        if id(v) in skip:
-            continue
-        item = getattr(v, "_ksc_scaled_variable", None) or v
-        if id(item) not in seen:
-            seen.add(id(item))
-            out.append(item)
-    return out
-
-
-def assign_weights(root, weights):
-    """`set_weights(weights)` of `root`'s Keras twin (`weight_groups`
-    order): a scaled weight's value is split into data and pow2 scale."""
-    groups = weight_groups(root)
-    if len(weights) != len(groups):
-        raise ValueError(
-            f"`weights` must have {len(groups)} arrays for {root.name!r} "
-            f"(its Keras twin's `get_weights()`), got {len(weights)}."
-        )
-    for item, value in zip(groups, weights):
-        if tuple(item.shape) != tuple(np.shape(value)):
-            path = item.data.path if hasattr(item, "data") else item.path
-            raise ValueError(
-                f"`weights` entry for {path!r} must have shape "
-                f"{tuple(item.shape)}, got {tuple(np.shape(value))}."
-            )
-    for item, value in zip(groups, weights):
-        item.assign(value)
-
-
-def count_weight_params(root):
-    """`count_params()` of `root`'s Keras twin: a scaled weight counts its
-    data's size; scales, gradient scales and rescaling states are
-    bookkeeping and not counted."""
-    return int(sum(np.prod(w.shape) for w in weight_groups(root)))
-
-
 _PLAIN_IO_CLASSES = {}
 
 
@@ -502,103 +451,6 @@ def plain_shapes(structure):
     return structure
 
 
-# --- conversion helpers shared by `from_keras` / `to_keras` ----------------
-
-
-def check_keras_layer(layer, keras_cls, scaled_cls):
-    """Raise a TypeError unless `layer` is a `keras_cls` instance."""
-    if not isinstance(layer, keras_cls):
-        raise TypeError(
-            f"`layer` of {scaled_cls.__name__}.from_keras must be a "
-            f"keras.layers.{keras_cls.__name__}, got {type(layer).__name__}."
-        )
-
-
-def reject_options(layer, scaled_cls, names):
-    """Raise a ValueError naming the first Keras option of `layer` that the
-    scaled layer does not support (regularizers, constraints, LoRA,
-    quantization): each of `names` must be None/False/0 on `layer`."""
-    for name in names:
-        value = getattr(layer, name, None)
-        if value:
-            raise ValueError(
-                f"`{name}` of layer {layer.name!r} is not supported by "
-                f"{scaled_cls.__name__} (got {value!r}): it must be "
-                f"None or False. Remove it before converting."
-            )
-    mode = getattr(layer, "quantization_mode", None)
-    if mode is not None:
-        raise ValueError(
-            f"`quantization_mode` of layer {layer.name!r} is {mode!r}: "
-            f"{scaled_cls.__name__} converts float layers only."
-        )
-    if getattr(layer, "lora_enabled", False):
-        raise ValueError(
-            f"`lora_rank` of layer {layer.name!r}: LoRA is enabled, which "
-            f"{scaled_cls.__name__} does not support; merge it first."
-        )
-
-
-def keras_base_kwargs(layer, overrides):
-    """name, dtype policy and trainable of `layer`, then `overrides`."""
-    kwargs = {
-        "name": layer.name,
-        "dtype": layer.dtype_policy,
-        "trainable": layer.trainable,
-    }
-    kwargs.update(overrides)
-    return kwargs
-
-
-def plain_dtype(policy):
-    """The dtype policy of a plain Keras copy of a scaled layer: a scaled
-    policy becomes "float32" (the represented weights' dtype, readable
-    without keras_scalify); a plain Keras policy is kept."""
-    if isinstance(policy, ScaledDTypePolicy):
-        return "float32"
-    return policy
-
-
-def scaled_base_kwargs(layer, overrides):
-    """name, plain dtype policy and trainable of scaled `layer`, then
-    `overrides` (for `to_keras`)."""
-    kwargs = {
-        "name": layer.name,
-        "dtype": plain_dtype(layer.dtype_policy),
-        "trainable": layer.trainable,
-    }
-    kwargs.update(overrides)
-    return kwargs
-
-
-def copy_built_weights(source, target):
-    """Build `target` on the input shapes `source` was built on and give it
-    `source`'s weights (represented float32 values); no-op if `source` is
-    not built. Both layers list their weights in the same order."""
-    if not source.built:
-        return target
-    config = source.get_build_config()
-    if config:
-        target.build_from_config(plain_shapes(config))
-    elif not target.built:
-        target.build(None)
-    weights = weight_values(source)
-    if weights or target.weights:
-        target.set_weights(weights)
-    return target
-
-
-def weight_values(root):
-    """`get_weights()` of `root`'s Keras twin (`weight_groups` order): a
-    scaled weight's represented float32 value. Device tensors of the same
-    values where a process cannot read them into NumPy (a weight sharded
-    across the processes of a `keras.distribution`)."""
-    values = [w.value for w in weight_groups(root)]
-    if all(host_readable(v) for v in values):
-        return [np.asarray(keras.ops.convert_to_numpy(v)) for v in values]
-    return values
-
-
 class KernelBiasMixin:
     """`kernel`/`bias` (ScaledVariables) and their float32 values."""
 
@@ -618,21 +470,6 @@ class KernelBiasMixin:
     @property
     def bias_value(self):
         return None if self._bias is None else self._bias.value
-
-
-def add_grad_scale_state(layer, name="grad_scale_state"):
-    """The float32 state of a delayed gradient rescale: trainable with
-    `overwrite_with_gradient`, the only route out of the backward pass that
-    survives JAX's stateless `fit` (docs/design.md §3)."""
-    return layer.add_weight(
-        name=name,
-        shape=(),
-        initializer="zeros",
-        dtype="float32",
-        trainable=True,
-        autocast=False,
-        overwrite_with_gradient=True,
-    )
 
 
 def scaled_spec(shape, dtype):

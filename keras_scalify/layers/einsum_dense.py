@@ -11,7 +11,7 @@ from keras_scalify.layers.activation import get_activation
 from keras_scalify.layers.base import KernelBiasMixin
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
-from keras_scalify.layers.base import weight_values
+from keras_scalify.layers.weights import weight_values
 from keras_scalify.layers.dense import matmul_bias_and_activation
 from keras_scalify.layers.base import cast_to_compute
 from keras_scalify.policies import ScaledDTypePolicy

@@ -7,11 +7,11 @@ from keras_scalify import ops as sops
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.base import scaled_spec
-from keras_scalify.layers.base import check_keras_layer
-from keras_scalify.layers.base import copy_built_weights
-from keras_scalify.layers.base import keras_base_kwargs
-from keras_scalify.layers.base import reject_options
-from keras_scalify.layers.base import scaled_base_kwargs
+from keras_scalify.layers.keras_twin import check_keras_layer
+from keras_scalify.layers.keras_twin import copy_built_weights
+from keras_scalify.layers.keras_twin import keras_base_kwargs
+from keras_scalify.layers.keras_twin import reject_options
+from keras_scalify.layers.keras_twin import scaled_base_kwargs
 from keras_scalify.layers.dense import policy_matmul
 from keras_scalify.layers.base import cast_to_compute
 

@@ -3,7 +3,7 @@
 import keras
 
 from keras_scalify.layers.base import ScaledLayer
-from keras_scalify.layers.base import add_grad_scale_state
+from keras_scalify.layers.weights import add_grad_scale_state
 from keras_scalify.layers.variable import read_tensor
 from keras_scalify.layers.activation import _as_spec
 from keras_scalify.layers.base import spec_like
