@@ -81,3 +81,16 @@ def test_set_weights_names_what_is_wrong():
     weights[0] = weights[0].T
     with pytest.raises(ValueError, match=r"dense.*kernel.* must have shape \(6, 8\)"):
         scaled.set_weights(weights)
+
+
+def test_a_rebuilt_model_refuses_quantize_naming_unscalify():
+    """A rebuilt Sequential's root is a `ScalifiedModel` like an in-place
+    one; `quantize` cannot unscalify it in place, so it says how."""
+    scaled = ksc.scalify(_mlp(0), dtype="scaled_float32")
+    assert isinstance(scaled, ksc.models.ScalifiedModel)
+    assert isinstance(scaled, keras.Sequential)
+    with pytest.raises(ValueError, match=r"unscalify\(model\).*plain\.quantize\('int8'\)"):
+        scaled.quantize("int8")
+    plain = ksc.unscalify(scaled)
+    assert not isinstance(plain, ksc.models.ScalifiedModel)
+    plain.quantize("int8")  # Keras's own, on the plain copy
