@@ -164,8 +164,8 @@ def attach(model, dtype, exclude, original=None):
     converted in place, before the conversion (the first call takes the
     original's config), and gives it its class's `ScalifiedModel`
     subclass. For a rebuilt Sequential/Functional `model`, `original` is
-    the model it was rebuilt from (its config and earlier calls are
-    `model`'s)."""
+    the model it was rebuilt from: `model` records `original`'s config
+    (and, if `original` was scalified already, its earlier calls)."""
     call = {
         "dtype": _serialize_dtype(dtype),
         "exclude": [_serialize_exclude(e) for e in exclude],
