@@ -32,7 +32,6 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -67,15 +66,21 @@ def build(width, inject, seed=0):
     )
     model = ksc.scalify(plain, dtype="scaled_fp8")
     if inject:
-        layers = model.layers
-        i = [l.name for l in layers].index("dense_0") + 1
-        model = keras.Sequential(
-            [keras.Input((784,))]
-            + layers[:i]
-            + [ShiftData(8, name="injected", dtype="scaled_fp8")]
-            + layers[i:],
+        # The same model from scaled layers, the fault after dense_0.
+        fp8 = {"dtype": "scaled_fp8"}
+        injected = keras.Sequential(
+            [
+                keras.Input((784,)),
+                ksc.layers.ScaledDense(width, activation="relu", name="dense_0", **fp8),
+                ShiftData(8, name="injected", **fp8),
+                ksc.layers.ScaledDense(width, activation="relu", name="dense_1", **fp8),
+                ksc.layers.ScaledDense(10, name="logits", **fp8),
+            ],
             name="mlp_injected",
         )
+        for name in ("dense_0", "dense_1", "logits"):
+            injected.get_layer(name).set_weights(model.get_layer(name).get_weights())
+        model = injected
     model.compile(
         optimizer=ksc.ScaledOptimizer(keras.optimizers.SGD(0.1), seed=0),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

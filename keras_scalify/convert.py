@@ -1,30 +1,25 @@
 """Model conversion: `scalify` (Keras → scaled) and `unscalify` (back).
 
-`scalify(model)` replaces the Keras layers that have a scaled counterpart
-(Dense, EinsumDense, Embedding, ReversibleEmbedding, LayerNormalization,
-RMSNormalization, Activation, Add, Dropout, MultiHeadAttention) by it,
-holding the same (represented) weights:
+`scalify(model)` replaces, in place, the Keras layers that have a scaled
+counterpart (Dense, EinsumDense, Embedding, ReversibleEmbedding,
+LayerNormalization, RMSNormalization, Activation, Add, Dropout,
+MultiHeadAttention, Conv1D, Conv2D) by it, holding the same
+(represented) weights, wherever they are referenced
+(`convert_inplace.py`):
 
-- a plain Sequential/Functional model is rebuilt into a new one in which
-  ScaledTensors flow between scaled layers, with `AsScaled` where a plain
-  floating tensor (a model input, the output of an unconverted layer)
-  enters a converted layer and `ToArray` before every unconverted layer
-  that would receive a ScaledTensor and on every model output; its
-  unconverted layers are reused (not copied);
+- the own layers of a plain Sequential/Functional model become scaled
+  layers in scaled mode, and the root's `call` runs the graph with
+  ScaledTensors whole between them (`convert_graph.call_graph`);
 - inside every other layer or model (custom layers, keras-hub backbones
-  and tasks, subclassed models) the convertible sublayers are replaced in
-  place (`convert_inplace.py`) by plain-I/O scaled layers.
+  and tasks, subclassed models) they become plain-I/O scaled layers.
 
-Either way the root becomes a `models.ScalifiedModel` (saving, weights).
+The root becomes a `models.ScalifiedModel` (saving, weights, compile):
+its `.keras` file holds the original's config and the `scalify` calls
+that `load_model` replays.
 
 `unscalify(model)` does the opposite: every scaled layer becomes its Keras
-counterpart with the represented float32 weights, boundary layers
-(`AsScaled`, `ToArray`) and `DynamicRescaleGrad` (identity forward) are
-removed, so the result loads without keras_scalify. The root of a model
-converted in place saves as the original plus the `scalify` calls that
-`load_model` replays (`keras_scalify/models.py`).
-
-The graph walking and rebuilding is in `convert_graph.py`.
+counterpart with the represented float32 weights, so the result loads
+without keras_scalify.
 """
 
 import keras
@@ -36,12 +31,13 @@ from keras_scalify.convert_graph import _check_model
 from keras_scalify.convert_graph import _finish
 from keras_scalify.convert_graph import _is_graph_model
 from keras_scalify.convert_graph import _rebuild
+from keras_scalify.convert_graph import graph_of
+from keras_scalify.convert_graph import records_scaled
 from keras_scalify.convert_inplace import all_layers
 from keras_scalify.convert_inplace import convert_in_place
+from keras_scalify.convert_inplace import replace_layers
 from keras_scalify.convert_inplace import walk_sublayers
 from keras_scalify.convert_inplace import warn_unconverted
-from keras_scalify.core.scaled_tensor import is_scaled
-from keras_scalify.core.scaled_tensor import map_scaled
 from keras_scalify.layers.base import ScaledLayer
 from keras_scalify.layers.boundary import AsScaled
 from keras_scalify.layers.boundary import ToArray
@@ -147,17 +143,12 @@ def _convertible_name(layer):
 
 
 class _ScalifyStep:
-    """One layer call of the scalified model (see `scalify`)."""
+    """The conversion `scalify(model, dtype, exclude)` makes (see there)."""
 
-    def __init__(self, names, called, dtype, exclude):
-        self.names = names
-        self.called = called  # Sequential: layers in call order.
+    def __init__(self, dtype, exclude):
         self.dtype = dtype
         self.exclude = exclude
-        self.layers = {}  # id(old layer) -> new layer
-        self.converted = set()  # ids of new layers converted from Keras
-        self.as_scaled = {}  # id(plain tensor) -> ScaledTensor
-        self.to_array = {}  # id(ScaledTensor data) -> tensor
+        self.attached = []  # nested graph models given their root class
 
     def _excluded(self, layer):
         for item in self.exclude:
@@ -166,28 +157,6 @@ class _ScalifyStep:
             if isinstance(item, type) and isinstance(layer, item):
                 return True
         return False
-
-    def new_layer(self, layer):
-        if id(layer) in self.layers:
-            return self.layers[id(layer)]
-        if not isinstance(layer, keras.layers.Layer):
-            # An Operation node (`keras.ops` call, `ScaledOperation`): kept.
-            self.layers[id(layer)] = layer
-            return layer
-        excluded = self._excluded(layer)
-        keras_name = None if excluded else _convertible_name(layer)
-        if isinstance(layer, keras.Model) and not excluded:
-            new = scalify(layer, dtype=self.dtype, exclude=self.exclude)
-        elif keras_name is not None:
-            new = self._convert(layer, keras_name)
-            self.converted.add(id(new))
-        else:
-            # Kept, with the layers inside it converted in place.
-            new = layer
-            if not excluded:
-                self.inside(layer)
-        self.layers[id(layer)] = new
-        return new
 
     def _convert(self, layer, keras_name):
         cls = _scaled_class(keras_name, layer)
@@ -199,6 +168,36 @@ class _ScalifyStep:
                 f"{e} (scalify: pass `exclude=[{layer.name!r}]` to keep "
                 f"this layer as a plain Keras layer.)"
             ) from e
+
+    def graph(self, model, mapping=None):
+        """A Sequential/Functional `model`'s own layers, in place: each
+        convertible one becomes a scaled layer in scaled mode (its graph
+        then runs with ScaledTensors between them, `ScalifiedGraph`), a
+        nested Sequential/Functional model likewise (in the same
+        replacement: a layer may be shared with it), another nested model
+        is scalified, every other layer converted inside."""
+        top = mapping is None
+        mapping = {} if top else mapping
+        for layer in graph_of(model).operations:
+            if (
+                not isinstance(layer, keras.layers.Layer)  # a `keras.ops` node
+                or isinstance(layer, (ScaledLayer, keras.layers.InputLayer))
+                or id(layer) in mapping  # shared with a nested model
+                or self._excluded(layer)
+            ):
+                continue
+            if _is_graph_model(layer) and not isinstance(layer, models.ScalifiedModel):
+                models.attach(layer, self.dtype, self.exclude)
+                self.attached.append(layer)
+                self.graph(layer, mapping)
+            elif isinstance(layer, keras.Model):
+                scalify(layer, dtype=self.dtype, exclude=self.exclude)
+            elif _convertible_name(layer) is None:
+                self.inside(layer)
+            else:
+                mapping[id(layer)] = (layer, self._convert(layer, _convertible_name(layer)))
+        if top and mapping:
+            replace_layers(model, mapping)
 
     def choose(self, layer):
         """In-place conversion inside custom layers (`convert_inplace`):
@@ -247,54 +246,6 @@ class _ScalifyStep:
 
         walk_sublayers(root, visit)
 
-    def _record(self, layer):
-        if self.called is not None:
-            self.called.append(layer)
-
-    def _boundary_kwargs(self, base):
-        kwargs = {"name": self.names(base)}
-        if self.dtype is not None:
-            kwargs["dtype"] = self.dtype
-        return kwargs
-
-    def _wrap_as_scaled(self, x):
-        if is_scaled(x) or not isinstance(x, keras.KerasTensor):
-            return x
-        if "float" not in keras.backend.standardize_dtype(x.dtype):
-            return x
-        if id(x) not in self.as_scaled:
-            layer = AsScaled(**self._boundary_kwargs("as_scaled"))
-            self._record(layer)
-            self.as_scaled[id(x)] = layer(x)
-        return self.as_scaled[id(x)]
-
-    def _unwrap(self, x):
-        if not is_scaled(x):
-            return x
-        if id(x.data) not in self.to_array:
-            layer = ToArray(**self._boundary_kwargs("to_array"))
-            self._record(layer)
-            self.to_array[id(x.data)] = layer(x)
-        return self.to_array[id(x.data)]
-
-    def to_plain_for(self, layer):
-        """`ToArray` for the inputs of unconverted plain layers (and of
-        nested models, plain outside); None for scaled layers."""
-        new = self.new_layer(layer)
-        if hasattr(new, "_scaled_weights") or isinstance(new, ScaledOperation):
-            return None
-        return self._unwrap
-
-    def __call__(self, layer, args, kwargs):
-        new = self.new_layer(layer)
-        if id(new) in self.converted and not isinstance(new, ScaledEmbedding):
-            args = tuple(map_scaled(self._wrap_as_scaled, a) for a in args)
-        self._record(new)
-        return new(*args, **kwargs)
-
-    def finish(self, outputs):
-        return map_scaled(self._unwrap, outputs)
-
 
 def scalify(model, dtype=None, exclude=()):
     """`model` computed with scaled layers.
@@ -306,30 +257,30 @@ def scalify(model, dtype=None, exclude=()):
     `keras_scalify.layers` counterparts holding the same represented
     weights (`ScaledX.from_keras`), keeping their names.
 
-    - A plain Sequential or Functional model is rebuilt: ScaledTensors flow
-      between its converted layers, `AsScaled` is inserted where a plain
-      floating tensor enters one, `ToArray` before every other layer that
-      would receive a ScaledTensor and on every output. A new model is
-      returned; its unconverted layers are `model`'s own (not copies).
+    `model` is converted in place, as `model.quantize` does, and returned:
+    keep a copy if you need the original.
+
+    - The own layers of a plain Sequential or Functional model become
+      scaled layers in scaled mode: ScaledTensors flow between them (the
+      root's `call` runs the graph, `models.ScalifiedGraph`), every other
+      layer of the graph receives the represented float32 values, and the
+      model returns plain arrays.
     - Inside every other layer — custom layers, keras-hub transformer
       blocks and attention layers, Keras's MultiHeadAttention subclasses —
       and inside every other model (keras-hub Backbones and tasks,
-      subclassed models), the convertible sublayers are replaced *in place*
+      subclassed models), the convertible sublayers are replaced
       (attributes, lists, tracked layers, Functional graph nodes; a shared
       layer stays shared) by scaled layers with plain input and output
       (`ScaledLayer.enable_plain_io`), since the code around them runs
-      `keras.ops` on plain tensors. Such a model is returned itself,
-      converted. Plain layers left under a scaled dtype policy compute in
-      float32. While a custom layer holding converted layers runs (a
-      transformer block), ScaledTensors flow between them and through its
-      `keras.ops` code (scaled regions, `layers/regions.py`); it returns
-      plain float32 values.
+      `keras.ops` on plain tensors. Plain layers left under a scaled dtype
+      policy compute in float32. While a custom layer holding converted
+      layers runs (a transformer block), ScaledTensors flow between them
+      and through its `keras.ops` code (scaled regions,
+      `layers/regions.py`); it returns plain float32 values.
 
-    So `model` is modified wherever it contains custom layers or is not a
-    plain Sequential/Functional model (as `model.quantize` does): keep a
-    copy if you need the original. A compiled model is compiled again with
-    its compile config, its optimizer wrapped in a `ScaledOptimizer` when
-    the model has scaled weights.
+    A compiled model is compiled again with its compile config, its
+    optimizer wrapped in a `ScaledOptimizer` when the model has scaled
+    weights.
 
     Under the float32 policy the converted model's predictions equal the
     original's (up to float32 rounding). Set a scaled policy first
@@ -339,31 +290,40 @@ def scalify(model, dtype=None, exclude=()):
     Args:
         model: a built `keras.Model`.
         dtype: None (keep each layer's dtype policy) or a policy (e.g.
-            `"scaled_fp8"`) for the converted and boundary layers.
+            `"scaled_fp8"`) for the converted layers.
         exclude: layer names or classes to keep as plain Keras layers (with
             everything inside them).
 
-    Either way the returned model's root is a `models.ScalifiedModel`
-    (its `.keras` file replays this call on the original; its
-    `get_weights`/`set_weights`/`count_params` are the original's).
+    The model's root becomes a `models.ScalifiedModel` (its `.keras` file
+    replays this call on the original; its `get_weights`/`set_weights`/
+    `count_params` are the original's).
 
     Returns:
-        A new `keras.Sequential` / Functional `keras.Model` for a plain one,
-        else `model` itself.
+        `model`, converted.
     """
     if isinstance(exclude, (str, type)):
         exclude = (exclude,)
     exclude = tuple(exclude)
-    _check_distribution(model)
-
-    def make_step(names, called):
-        return _ScalifyStep(names, called, dtype, exclude)
-
-    if _is_graph_model(model):
-        return _rebuild(model, make_step, "scalify", (dtype, exclude))
     _check_model(model, "scalify")
+    _check_distribution(model)
+    graph = _is_graph_model(model)
+    if graph:
+        graph_of(model)  # a Sequential without an input shape raises here
+    first = not isinstance(model, models.ScalifiedModel)
     models.attach(model, dtype, exclude)
-    make_step(None, None).inside(model)
+    step = _ScalifyStep(dtype, exclude)
+    try:
+        if graph:
+            step.graph(model)
+        else:
+            step.inside(model)
+    except Exception:
+        # A layer refused before any was replaced: nothing changed.
+        for nested in step.attached:
+            models.detach(nested)
+        if first:
+            models.detach(model)
+        raise
     return _finish(model, model)
 
 
@@ -416,14 +376,35 @@ def _restore_policy(layer):
 
 
 class _UnscalifyStep:
-    """One layer call of the unscalified model (see `unscalify`)."""
+    """The conversion `unscalify` makes: in place (`graph`, `inside`), or,
+    for a graph built by hand from scaled layers, one layer call of the
+    rebuilt plain graph (`convert_graph._rebuild`)."""
 
-    def __init__(self, names, called):
+    def __init__(self, called=None):
         self.called = called
         self.layers = {}
 
     def to_plain_for(self, layer):
         return None
+
+    def graph(self, model, mapping=None):
+        """A scalified Sequential/Functional `model`'s own layers back to
+        Keras, in place, with those of the graph models nested in it (in
+        the same replacement: a layer may be shared with them)."""
+        top = mapping is None
+        mapping = {} if top else mapping
+        for layer in graph_of(model).operations:
+            if isinstance(layer, keras.layers.InputLayer) or id(layer) in mapping:
+                continue
+            if _is_graph_model(layer) and not records_scaled(graph_of(layer)):
+                self.graph(layer, mapping)
+                models.detach(layer)
+                continue
+            new = self.new_layer(layer)
+            if new is not layer:
+                mapping[id(layer)] = (layer, new)
+        if top and mapping:
+            replace_layers(model, mapping)
 
     def choose(self, layer):
         """In-place: a plain-I/O scaled layer back to Keras (`to_keras`)."""
@@ -495,32 +476,34 @@ class _UnscalifyStep:
 
 
 def unscalify(model):
-    """A plain Keras model computing the represented values of `model`.
+    """`model` computing its represented values with plain Keras layers.
 
     Every scaled layer becomes its Keras counterpart (`to_keras`) with the
     represented float32 weights and a plain dtype policy (a scaled policy
-    becomes float32); `AsScaled`, `ToArray` and `DynamicRescaleGrad`
-    (identity on values) are removed from a rebuilt Sequential/Functional
-    graph. Inside custom layers and other models the plain-I/O scaled
-    layers `scalify` put there are replaced back in place, and the dtype
-    policies it changed are restored. The result contains no keras_scalify
-    layer, so it can be saved and loaded, exported or served without
-    keras_scalify.
+    becomes float32), in place, and the dtype policies `scalify` changed
+    are restored; the root gets its class back. The result contains no
+    keras_scalify layer, so it can be saved and loaded, exported or served
+    without keras_scalify.
+
+    A Sequential/Functional graph built by hand from scaled layers, whose
+    nodes pass ScaledTensors (`AsScaled`, `ToArray`, `DynamicRescaleGrad`
+    between them), is rebuilt instead, without those boundary layers
+    (identity on represented values): a new model is returned.
 
     Args:
         model: a built `keras.Model`.
 
     Returns:
-        A new `keras.Sequential` / Functional `keras.Model` for a plain one,
-        else `model` itself.
+        `model`, converted back, or the new plain model of a hand-built
+        scaled graph.
     """
-
-    def make_step(names, called):
-        return _UnscalifyStep(names, called)
-
-    if _is_graph_model(model):
-        return _rebuild(model, make_step, "unscalify")
     _check_model(model, "unscalify")
-    make_step(None, None).inside(model)
+    step = _UnscalifyStep()
+    if _is_graph_model(model):
+        if records_scaled(graph_of(model)):
+            return _rebuild(model, _UnscalifyStep, "unscalify")
+        step.graph(model)
+    else:
+        step.inside(model)
     models.detach(model)
     return model

@@ -1,31 +1,38 @@
-"""Walking and rebuilding a plain Sequential/Functional model's graph.
+"""Running and rebuilding a Sequential/Functional model's graph.
 
-The machinery behind `scalify`/`unscalify` (`convert.py`) for a plain
-Sequential or Functional model: `_rebuild` walks its graph node by node
-(`_Walker`), calling a conversion step (`make_step`) on each layer call,
-and builds a new model of the same kind from the results; plus the checks
-and finishing touches (recompiling, with a `ScaledOptimizer` when the new
-model has scaled weights) shared with in-place conversion.
+`_Walker` walks a graph node by node, keeping each ScaledTensor whole:
+Keras's own `Functional` bookkeeping records a layer's outputs as a flat
+list of tensors, so a ScaledTensor (a named tuple of three tensors)
+returned where the graph recorded one plain output would be cut to its
+`data`. Two uses:
 
-Rebuilding walks the model's graph rather than using
-`keras.models.clone_model`: Keras records a layer's outputs as a flat list
-of tensors, so a ScaledTensor (a named tuple) returned for a single plain
-output would be cut to its `data` by `clone_model`'s bookkeeping.
+- `call_graph`: the forward pass of a Sequential/Functional model that
+  `scalify` converted in place (`models.ScalifiedGraph.call`): scaled
+  layers receive ScaledTensors whole, every other operation their
+  represented values, and the model returns plain arrays;
+- `_rebuild`: `unscalify` of a graph built by hand from scaled layers and
+  boundary layers, whose nodes record ScaledTensors: a new plain model.
+
+Plus the checks and finishing touches (recompiling, with a
+`ScaledOptimizer` when the model has scaled weights) that `scalify` and
+`unscalify` share.
 """
 
 import keras
 from keras import tree
 
-from keras_scalify import models
 from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.core.scaled_tensor import map_scaled
+from keras_scalify.ops.boundary import to_array
+from keras_scalify.ops.symbolic import ScaledOperation
 from keras_scalify.optimizers import ScaledOptimizer
 from keras_scalify.optimizers.guard import scaled_variables_in
 
 
 def _is_graph_model(model):
-    """A plain Sequential or Functional model (not a subclass): its graph is
-    rebuilt by `scalify`. Every other model is converted in place."""
+    """A plain Sequential or Functional model (not a subclass): `scalify`
+    converts its own layers to scaled mode and runs its graph itself
+    (`call_graph`); inside every other model, layers take plain I/O."""
     from keras.src.models.functional import Functional
 
     cls = getattr(type(model), "_ksc_original_class", type(model))
@@ -39,6 +46,17 @@ def _is_graph_model(model):
 
 def _is_symbolic_scaled(x):
     return is_scaled(x) and isinstance(x.data, keras.KerasTensor)
+
+
+def graph_of(model):
+    """The Functional graph that runs `model` (a Sequential's own)."""
+    return _sequential_graph(model) if isinstance(model, keras.Sequential) else model
+
+
+def records_scaled(graph):
+    """Whether `graph` (built by hand from scaled layers) records
+    ScaledTensors between its nodes."""
+    return bool(_scaled_units(graph))
 
 
 def _scaled_units(model):
@@ -94,18 +112,18 @@ def _unit_leaves(x):
 
 
 class _Walker:
-    """Rebuilds a Functional model, one node at a time.
+    """Runs a Functional graph one node at a time (to call it, or, on
+    KerasTensors, to rebuild it).
 
     `values` maps the id of an original tensor (of a ScaledTensor's data
     for a scaled unit) to its new value, a tensor or a ScaledTensor.
     `step(layer, args, kwargs)` returns the new outputs of one node.
     """
 
-    def __init__(self, step):
+    def __init__(self, step, units=None):
         self.step = step
-        # ids of the scale / grad-scale tensors of scaled units already
-        # computed (the unit itself is stored under its data's id).
-        self.covered = set()
+        # `_scaled_units` of the graph (computed per run when not given).
+        self.units = units
 
     def fill(self, structure, values, to_plain=None):
         """`structure` with the original tensors replaced by new values.
@@ -131,7 +149,10 @@ class _Walker:
         return map_scaled(lookup, structure)
 
     def run(self, model, new_inputs):
-        units = _scaled_units(model)
+        units = _scaled_units(model) if self.units is None else self.units
+        # ids of the scale / grad-scale tensors of scaled units already
+        # computed (the unit itself is stored under its data's id).
+        covered = set()
         values = {}
         for old, new in zip(model.inputs, tree.flatten(new_inputs)):
             values[id(old)] = new
@@ -140,7 +161,7 @@ class _Walker:
                 if not node.operation or node.is_input:
                     continue
                 if any(
-                    id(x) not in values and id(x) not in self.covered
+                    id(x) not in values and id(x) not in covered
                     for x in node.input_tensors
                 ):
                     continue  # Not computable from the inputs.
@@ -148,17 +169,17 @@ class _Walker:
                 args = self.fill(node.arguments.args, values, to_plain)
                 kwargs = self.fill(node.arguments.kwargs, values, to_plain)
                 outputs = self.step(node.operation, args, kwargs)
-                self._store(node, outputs, units, values)
+                self._store(node, outputs, units, values, covered)
         return self.fill(model._outputs_struct, values)
 
-    def _store(self, node, outputs, units, values):
+    def _store(self, node, outputs, units, values, covered):
         groups = _group_outputs(node.outputs, units)
         new_units = _unit_leaves(outputs)
         if len(groups) == len(new_units):
             for (key, n), new in zip(groups, new_units):
                 values[key] = new
                 if n == 3:
-                    self.covered.update(units[key])
+                    covered.update(units[key])
             return
         flat = tree.flatten(outputs)
         if len(flat) == len(node.outputs):
@@ -172,25 +193,6 @@ class _Walker:
 
 
 # --- shared helpers ----------------------------------------------------------
-
-
-class _Names:
-    """Unique layer names in the new model."""
-
-    def __init__(self, model):
-        self.used = {layer.name for layer in _all_layers(model)}
-
-    def __call__(self, base):
-        name, i = base, 1
-        while name in self.used:
-            i += 1
-            name = f"{base}_{i}"
-        self.used.add(name)
-        return name
-
-
-def _all_layers(model):
-    return list(model._flatten_layers(include_self=False, recursive=True))
 
 
 def _model_input_struct(model):
@@ -245,22 +247,66 @@ def _check_model(model, fn_name):
         )
 
 
-def _rebuild(model, make_step, fn_name, scalify_args=None):
-    """Sequential → Sequential, Functional → Functional, via `make_step`;
-    with `scalify_args` (`dtype, exclude`), the new model's root becomes a
-    `ScalifiedModel` of `model` (`models.attach`)."""
+def _rebuild(model, make_step, fn_name):
+    """Sequential → Sequential, Functional → Functional, via `make_step`."""
     _check_model(model, fn_name)
-    names = _Names(model)
     sequential = isinstance(model, keras.Sequential)
-    graph = _sequential_graph(model) if sequential else model
+    graph = graph_of(model)
     new_inputs = _model_input_struct(graph)
     called = [] if sequential else None  # Sequential: layers in call order.
-    step = make_step(names, called)
+    step = make_step(called)
     outputs = step.finish(_Walker(step).run(graph, new_inputs))
     if sequential:
         new = keras.Sequential([new_inputs] + called, name=model.name)
     else:
         new = keras.Model(new_inputs, outputs, name=model.name)
-    if scalify_args is not None:
-        models.attach(new, *scalify_args, original=model)
     return _finish(model, new)
+
+
+# --- the forward pass of a graph converted in place --------------------------
+
+
+def takes_scaled(operation):
+    """Whether a graph node's operation computes on ScaledTensors: a scaled
+    layer in scaled mode or a `keras_scalify.ops` node."""
+    if isinstance(operation, ScaledOperation):
+        return True
+    return hasattr(operation, "_scaled_weights") and not operation.plain_io
+
+
+def _represented(x):
+    return to_array(x) if is_scaled(x) else x
+
+
+class _CallStep:
+    """One node of `call_graph`: a scaled layer gets ScaledTensors whole,
+    every other operation (plain layers, nested models, `keras.ops`
+    nodes) the represented float32 values. `context`: the call-context
+    arguments (`training`, ...) passed to the operations that take them,
+    as Keras's Functional does."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def to_plain_for(self, operation):
+        return None if takes_scaled(operation) else _represented
+
+    def __call__(self, operation, args, kwargs):
+        takes = getattr(operation, "_call_context_args", ())
+        for name, value in self.context.items():
+            if name in takes and value is not None:
+                kwargs[name] = value
+        return operation(*args, **kwargs)
+
+
+def call_graph(graph, inputs, **context):
+    """`graph`'s outputs on `inputs` (flat, in `graph.inputs` order), with
+    ScaledTensors kept whole between its nodes and decoded on the outputs
+    (`data * scale` in float32). `context`: `training` and Keras's other
+    call-context arguments."""
+    units = getattr(graph, "_ksc_units", None)
+    if units is None:  # the graph is fixed once converted: found once
+        units = _scaled_units(graph)
+        object.__setattr__(graph, "_ksc_units", units)
+    outputs = _Walker(_CallStep(context), units).run(graph, inputs)
+    return map_scaled(_represented, outputs)

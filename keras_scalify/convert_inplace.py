@@ -1,10 +1,11 @@
-"""In-place conversion of the layers inside custom layers and models.
+"""In-place replacement of layers: how `scalify` and `unscalify` convert
+every model.
 
-keras-hub backbones and tasks, and any custom layer, hold Dense /
-EinsumDense / Embedding / normalization / attention layers as sublayers
-(attributes, lists, their own Functional graph) and run `keras.ops` on
-their outputs. `convert_in_place(root, make_new)` replaces each such
-sublayer, wherever it is referenced, by `make_new(old)`:
+Sequential/Functional models, keras-hub backbones and tasks, and any
+custom layer hold Dense / EinsumDense / Embedding / normalization /
+attention layers as sublayers (attributes, lists, Functional graphs).
+`replace_layers(root, mapping)` puts each new layer wherever its old one
+is referenced (`convert_in_place(root, choose)` chooses them first):
 
 - attributes of every layer in the tree (on torch, Keras layers are torch
   modules and keep sublayers in `_modules`), lists, tuples and dicts held
@@ -12,9 +13,10 @@ sublayer, wherever it is referenced, by `make_new(old)`:
   `weights` and saving walk);
 - the nodes of every Functional graph that calls the layer
   (`node.operation`, the graph's `_operations`, the history of the
-  symbolic tensors it produced), so a Backbone's graph calls the new
-  layer, a model built later on its outputs finds it, and the new layer
-  inherits the old one's nodes.
+  symbolic tensors it produced, the graph's node keys; a Sequential's
+  own graph included), so a Backbone's graph calls the new layer, a model
+  built later on its outputs finds it, and the new layer inherits the old
+  one's nodes.
 
 A layer used in several places (a tied embedding called by a backbone and
 by its task's output projection) is converted once and stays shared. No
@@ -79,7 +81,7 @@ def convert_in_place(root, choose):
 def replace_layers(root, mapping):
     """Puts `new` wherever `old` is referenced in `root`'s layer tree, for
     every `(old, new)` of `mapping` (keyed by `id(old)`)."""
-    parents = all_layers(root)
+    parents = _with_sequential_graphs(all_layers(root))
     _check_graphs(root, parents, mapping)
     for parent in parents:
         tracker = getattr(parent, "_tracker", None)
@@ -106,22 +108,61 @@ def replace_layers(root, mapping):
                     tensor._keras_history = history._replace(operation=new)
         new._inbound_nodes = list(old._inbound_nodes)
         new._outbound_nodes = list(old._outbound_nodes)
+    _rekey_graph_nodes(parents, mapping)
     for parent in parents:
         refresh_layer_params(parent)
     for old, _ in mapping.values():
         object.__setattr__(old, "call", _replaced(old))
 
 
+def _with_sequential_graphs(layers):
+    """`layers` and the Functional graph each Sequential among them runs
+    (not a tracked sublayer: Keras rebuilds it from the layer list)."""
+    graphs = [
+        layer._functional
+        for layer in layers
+        if isinstance(layer, keras.Sequential) and layer._functional is not None
+    ]
+    return layers + graphs
+
+
+def _rekey_graph_nodes(parents, mapping):
+    """A Functional graph keeps the keys of its nodes (`_nodes`: the
+    operation's id and the node's index, what its `get_config` looks up):
+    the keys of a replaced layer's nodes name the new layer."""
+    ids = {str(key): str(id(new)) for key, (_, new) in mapping.items()}
+    for graph in parents:
+        keys = getattr(graph, "_nodes", None)
+        if not isinstance(keys, set):
+            continue
+        rekeyed = set()
+        for key in keys:
+            op, sep, index = key.partition("_ib-")
+            rekeyed.add(ids.get(op, op) + sep + index)
+        graph._nodes = rekeyed
+
+
 def _check_graphs(root, parents, mapping):
     """Refuse to replace a layer that a graph outside `root` calls: that
-    graph would call the new layer while tracking the old one's weights."""
+    graph would call the new layer while tracking the old one's weights.
+    (The layers a Sequential holds are exempt: Keras rebuilds its graph
+    when it is built again, and the discarded graph's nodes stay on them,
+    indistinguishable from another model's.)"""
     inside = {
         id(node)
         for layer in parents
         for nodes in getattr(layer, "_nodes_by_depth", {}).values()
         for node in nodes
     }
+    in_sequential = {
+        id(layer)
+        for parent in parents
+        if isinstance(parent, keras.Sequential)
+        for layer in parent._layers
+    }
     for old, _ in mapping.values():
+        if id(old) in in_sequential:
+            continue
         if any(id(node) not in inside for node in old._inbound_nodes):
             raise ValueError(
                 f"Layer {old.name!r} is also called by a model outside "

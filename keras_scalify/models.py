@@ -3,9 +3,9 @@
 A keras-hub backbone or task, or a subclassed model, is rebuilt by its own
 class's `from_config` when a `.keras` file is loaded: its config holds
 hyperparameters, not sublayers, so a plain `from_config` gives back the
-plain model. `scalify` therefore gives the root of a model it converts
-(in place, or the new root of a rebuilt Sequential/Functional graph) a
-subclass of the root's class (`ScalifiedModel` first in its MRO),
+plain model. `scalify` therefore gives the root of a model it converts a
+subclass of the root's class (`ScalifiedModel` first in its MRO; for a
+Sequential/Functional model `ScalifiedGraph`, which also runs the graph),
 registered as `keras_scalify>ScalifiedModel`, whose config is
 
     {"model": <the original's serialized config, taken before conversion>,
@@ -16,9 +16,8 @@ calls, and returns the converted model. Keras then loads every variable
 of the converted model (data in its master dtype, scales, grad scales,
 delayed-rescaling states) and, for a compiled model, its optimizer's: the
 loaded model is the saved one, bit for bit, and training resumes where it
-stopped. `unscalify` gives the root its class back (a rebuilt graph: a
-new plain model); save the unscalified model for a file that loads
-without keras_scalify.
+stopped. `unscalify` gives the root its class back; save the unscalified
+model for a file that loads without keras_scalify.
 
 The class also makes the Keras workflow of such a model work as Keras's
 own wrappers do: `get_weights`/`set_weights`/`count_params` are the
@@ -33,7 +32,12 @@ import importlib
 
 import keras
 
+from keras.src.backend import set_keras_mask
+
 from keras_scalify import convert
+from keras_scalify.convert_graph import _is_graph_model
+from keras_scalify.convert_graph import call_graph
+from keras_scalify.convert_graph import graph_of
 from keras_scalify.layers.weights import assign_weights
 from keras_scalify.layers.weights import count_weight_params
 from keras_scalify.layers.weights import weight_values
@@ -117,13 +121,6 @@ class ScalifiedModel:
         (Keras binds each layer's `quantize` on the instance when it is
         created: `attach` binds this one there, `detach` puts Keras's
         back.)"""
-        if self._ksc_rebuilt:
-            raise ValueError(
-                f"Model {self.name!r} was rebuilt by `scalify` (a Sequential "
-                f"or Functional model): quantize its plain copy, "
-                f"`plain = keras_scalify.unscalify(model)` (the trained, "
-                f"represented weights), then `plain.quantize({mode!r})`."
-            )
         convert.unscalify(self)
         return self.quantize(mode, *args, **kwargs)
 
@@ -159,38 +156,53 @@ class ScalifiedModel:
             self.optimizer.build(self.trainable_variables)
 
 
-def attach(model, dtype, exclude, original=None):
-    """Records a `scalify(model, dtype, exclude)` on the root `model`
-    converted in place, before the conversion (the first call takes the
-    original's config), and gives it its class's `ScalifiedModel`
-    subclass. For a rebuilt Sequential/Functional `model`, `original` is
-    the model it was rebuilt from: `model` records `original`'s config
-    (and, if `original` was scalified already, its earlier calls)."""
+class ScalifiedGraph(ScalifiedModel):
+    """Mixin of a scalified Sequential/Functional root. Its own layers are
+    scaled layers in scaled mode where Keras's had a counterpart, and its
+    graph runs with each ScaledTensor whole between them
+    (`convert_graph.call_graph`: Keras's Functional would keep only a
+    ScaledTensor's data); every other layer gets represented values, and
+    the model returns plain arrays."""
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        graph = graph_of(self)
+        inputs = graph._standardize_inputs(inputs)
+        if mask is not None:
+            for x, m in zip(inputs, keras.tree.flatten(mask)):
+                if m is not None:
+                    set_keras_mask(x, m)
+        outputs = call_graph(graph, inputs, training=training, **kwargs)
+        if isinstance(outputs, (list, tuple)) and len(outputs) == 1:
+            return outputs[0]  # as Keras's Functional returns a singleton
+        return outputs
+
+    def compute_output_spec(self, *args, **kwargs):
+        """Traced from `call` (plain float32 outputs)."""
+        return keras.Operation.compute_output_spec(self, *args, **kwargs)
+
+
+def attach(model, dtype, exclude):
+    """Records a `scalify(model, dtype, exclude)` on the root `model`,
+    before the conversion (the first call takes the original's config),
+    and gives it its class's `ScalifiedModel` subclass."""
     call = {
         "dtype": _serialize_dtype(dtype),
         "exclude": [_serialize_exclude(e) for e in exclude],
     }
-    if original is None and isinstance(model, ScalifiedModel):
+    if isinstance(model, ScalifiedModel):
         model._ksc_scalify_calls.append(call)
         return
-    source = model if original is None else original
-    if isinstance(source, ScalifiedModel):
-        config = source._ksc_original_config
-        calls = [dict(c) for c in source._ksc_scalify_calls] + [call]
+    try:
+        config = keras.saving.serialize_keras_object(model)
+    except Exception as e:  # a model without a config: saving says so
+        config = e
     else:
-        try:
-            config = keras.saving.serialize_keras_object(source)
-        except Exception as e:  # a model without a config: saving says so
-            config = e
-        else:
-            config.pop("compile_config", None)  # compiled again by the outer config
-        calls = [call]
+        config.pop("compile_config", None)  # compiled again by the outer config
     # (Plain attributes: not tracked by Keras, not torch module state.)
     object.__setattr__(model, "_ksc_original_config", config)
-    object.__setattr__(model, "_ksc_scalify_calls", calls)
-    object.__setattr__(model, "_ksc_rebuilt", original is not None)
+    object.__setattr__(model, "_ksc_scalify_calls", [call])
     object.__setattr__(model, "_ksc_keras_quantize", model.__dict__.get("quantize"))
-    object.__setattr__(model, "__class__", _scalified_class(type(model)))
+    object.__setattr__(model, "__class__", _scalified_class(type(model), _is_graph_model(model)))
     object.__setattr__(model, "quantize", functools.partial(ScalifiedModel.quantize, model))
 
 
@@ -206,14 +218,13 @@ def detach(model):
         object.__setattr__(model, "quantize", keras_quantize)
     object.__delattr__(model, "_ksc_original_config")
     object.__delattr__(model, "_ksc_scalify_calls")
-    object.__delattr__(model, "_ksc_rebuilt")
 
 
-def _scalified_class(cls):
+def _scalified_class(cls, graph):
     if cls not in _CLASSES:
         new = type(
             cls.__name__,
-            (ScalifiedModel, cls),
+            (ScalifiedGraph if graph else ScalifiedModel, cls),
             {
                 "__module__": __name__,
                 "__qualname__": cls.__qualname__,

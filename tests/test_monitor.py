@@ -11,8 +11,10 @@ import pytest
 import keras_scalify as ksc
 from keras_scalify.callbacks import ScaleMonitor
 from keras_scalify.debug import _watching_calls
+from keras_scalify.core.scaled_tensor import is_scaled
 from keras_scalify.debug import scaled_value_and_grad
 from keras_scalify.debug import stats
+from keras_scalify.ops.boundary import encode
 
 E4M3, E5M2, F16 = "float8_e4m3fn", "float8_e5m2", "float16"
 N, BATCH = 32, 8  # 4 steps an epoch
@@ -139,11 +141,13 @@ def test_activation_and_gradient_records_equal_debug_stats(trained):
         model(x, training=False)
     for name in ("hidden", "norm", "head"):
         inp, out = seen[name]
+        # A plain input (the model's, to `hidden`) is measured encoded.
+        inp = inp if is_scaled(inp) else encode(inp)
         _check(h, f"{name}/input", _stats_np(stats(inp, E4M3)))
         _check(h, f"{name}/output", _stats_np(stats(out, F16)))
     # The gradient reaching `hidden`'s output: the rest of the model
     # differentiated by hand with respect to that ScaledTensor.
-    rest = [model.get_layer(n) for n in ("norm", "head")] + [model.layers[-1]]
+    rest = [model.get_layer(n) for n in ("norm", "head")] + [ksc.layers.ToArray()]
 
     def loss_of_hidden(hidden_out):
         t = hidden_out
@@ -191,21 +195,29 @@ def test_injected_saturating_layer_is_seen():
     """The injected layer's output saturates float16 and the input of the
     layer it feeds saturates E4M3; every other saturation record is 0."""
     x, y = _data()
-    layers = _model().layers
     keras.utils.set_random_seed(1)
+    fp8 = {"dtype": "scaled_fp8"}
+    # A Sequential of scaled layers (layers taken from a scalified model
+    # keep that model's graph nodes: a new graph is built from new layers).
     model = keras.Sequential(
-        [keras.Input((8,))] + layers[:2] + [Saturate(name="injected", dtype="scaled_fp8")] + layers[2:]
+        [
+            keras.Input((8,)),
+            ksc.layers.ScaledDense(16, activation="relu", name="hidden", **fp8),
+            Saturate(name="injected", **fp8),
+            ksc.layers.ScaledLayerNormalization(name="norm", **fp8),
+            ksc.layers.ScaledDense(4, name="head", **fp8),
+        ]
     )
     model.compile(optimizer=ksc.ScaledOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
     monitor = ScaleMonitor(every=2, sample=(x[:BATCH], y[:BATCH]))
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[monitor])
     h = monitor.history
-    injected = model.get_layer("injected").path
+    injected, norm = (model.get_layer(n).path for n in ("injected", "norm"))
     assert len(h["step"]) == 2
     for i in range(2):
         sat = {c: h[c][i] for c in h if c.endswith("/saturation")}
         assert sat.pop(f"{injected}/output/saturation") > 0.1
-        assert sat.pop("norm/input/saturation") > 0.1
+        assert sat.pop(f"{norm}/input/saturation") > 0.1
         assert len(sat) >= 15
         nonzero = {c: v for c, v in sat.items() if v != 0.0}
         assert nonzero == {}, nonzero

@@ -535,7 +535,7 @@ def test_kept_values_read_nothing_on_the_meta_device():
 
     from tests.optimizers.helpers import scaled_mlp
 
-    sv = scaled_mlp("scaled_float32").layers[1].kernel
+    sv = scaled_mlp("scaled_float32").layers[0].kernel
     with StatelessScope(), keras.device("meta"):
         scale = S.detached_variable_value(sv.scale)
         assert scale.is_meta and S.host_value(scale) is None

@@ -80,54 +80,76 @@ def _residual_with_plain_layers():
 
 def test_sequential_mlp():
     model = _mlp()
-    before = [w.copy() for w in model.get_weights()]
     x = _x((8, 8))
+    expected = _predict(model, x)
+    weights = model.get_weights()
+    n_params = model.count_params()
     scaled = ksc.scalify(model)
-    assert isinstance(scaled, keras.Sequential)
+    # In place, as `quantize`: the same object, its layers scaled, no
+    # boundary layers (the root runs the graph with ScaledTensors whole).
+    assert scaled is model and isinstance(scaled, keras.Sequential)
     assert _types(scaled) == [
-        "AsScaled", "ScaledDense", "ScaledLayerNormalization", "ScaledDropout",
-        "ScaledDense", "ScaledActivation", "ScaledDense", "ToArray",
+        "ScaledDense", "ScaledLayerNormalization", "ScaledDropout",
+        "ScaledDense", "ScaledActivation", "ScaledDense",
     ]
-    _close(_predict(scaled, x), _predict(model, x))
-    # Names are kept; the original is untouched and shares no variable.
-    assert scaled.get_layer(model.layers[0].name).units == 16
-    for a, b in zip(model.get_weights(), before):
+    assert scaled.layers[0].units == 16 and not scaled.layers[0].plain_io
+    _close(_predict(scaled, x), expected)
+    assert scaled.count_params() == n_params
+    for a, b in zip(scaled.get_weights(), weights):
         np.testing.assert_array_equal(a, b)
-    assert not _scalify_layers(model)
-    assert not {id(v) for v in model.weights} & {id(v) for v in scaled.weights}
     # Back to plain Keras: no keras_scalify layer, same predictions.
     plain = ksc.unscalify(scaled)
-    assert isinstance(plain, keras.Sequential)
+    assert plain is model and type(plain) is keras.Sequential
     assert not _scalify_layers(plain)
-    assert _types(plain) == [type(layer).__name__ for layer in model.layers]
-    _close(_predict(plain, x), _predict(model, x))
-    for a, b in zip(plain.get_weights(), model.get_weights()):
+    assert _types(plain) == ["Dense", "LayerNormalization", "Dropout", "Dense", "Activation", "Dense"]
+    _close(_predict(plain, x), expected)
+    for a, b in zip(plain.get_weights(), weights):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_scaled_graph_passes_scaled_tensors_whole(monkeypatch):
+    """Between two scaled layers the ScaledTensor is passed as it is (no
+    decode/encode); a plain layer gets the represented float32 values."""
+    model = _residual_with_plain_layers()
+    ksc.scalify(model)
+    received = {}
+    for layer in model.layers:
+        call = layer.call
+
+        def spy(*args, _call=call, _name=layer.name, **kwargs):
+            received[_name] = type(args[0]).__name__
+            return _call(*args, **kwargs)
+
+        monkeypatch.setattr(layer, "call", spy)
+    _predict(model, _x((2, 2, 8)))
+    assert received["up"] == "ScaledTensor"  # from the scaled LayerNorm
+    assert received["mid"] != "ScaledTensor"  # from Flatten: plain
+    assert received["flatten"] != "ScaledTensor"
+    assert received["lambda"] != "ScaledTensor"
 
 
 def test_functional_residual_with_plain_layers():
     model = _residual_with_plain_layers()
     x = _x((8, 2, 8))
+    expected = _predict(model, x)
     scaled = ksc.scalify(model)
+    assert scaled is model
     types = _types(scaled)
-    # A ToArray before each plain layer, an AsScaled after it, and one
-    # AsScaled for the input shared by the LayerNorm and the residual.
-    assert types.count("AsScaled") == 3
-    assert types.count("ToArray") == 3
-    assert types.index("ToArray") < types.index("Flatten") < types.index("ScaledDense", types.index("Flatten"))
+    assert "AsScaled" not in types and "ToArray" not in types
     assert {"ScaledAdd", "ScaledLayerNormalization", "Flatten", "Reshape", "Lambda"} <= set(types)
-    _close(_predict(scaled, x), _predict(model, x))
+    _close(_predict(scaled, x), expected)
     plain = ksc.unscalify(scaled)
     assert not _scalify_layers(plain)
-    _close(_predict(plain, x), _predict(model, x))
+    _close(_predict(plain, x), expected)
 
 
 def test_scalify_is_idempotent_on_scaled_models():
     model = _residual_with_plain_layers()
     x = _x((8, 2, 8))
+    expected = _predict(model, x)
     twice = ksc.scalify(ksc.scalify(model))
-    assert _types(twice).count("ToArray") == 3
-    _close(_predict(twice, x), _predict(model, x))
+    assert twice is model and len(model._ksc_scalify_calls) == 2
+    _close(_predict(twice, x), expected)
 
 
 class _Halve(keras.layers.Layer):
@@ -138,27 +160,31 @@ class _Halve(keras.layers.Layer):
 
 
 def test_custom_layer_receiving_scaled_tensors_keeps_them():
+    """A graph built by hand with boundary layers: its nodes record
+    ScaledTensors, and the custom layer that got one still does."""
     inp = keras.Input((8,))
     h = ScaledDense(8, name="sd")(AsScaled()(inp))
     h = _Halve(name="halve")(h)
     out = ToArray()(keras.layers.Dense(8, name="d")(ToArray()(h)))
     model = keras.Model(inp, out)
-    scaled = ksc.scalify(model)
-    types = _types(scaled)
-    # No boundary added before the custom layer: it got a ScaledTensor.
-    assert types.count("ToArray") == 2 and types.count("AsScaled") == 2
-    assert types.index("_Halve") < types.index("ToArray")
     x = _x((8, 8))
-    _close(_predict(scaled, x), _predict(model, x))
+    expected = _predict(model, x)
+    scaled = ksc.scalify(model)
+    assert isinstance(scaled.get_layer("d"), ScaledDense)
+    assert _types(scaled).count("ToArray") == 2
+    _close(_predict(scaled, x), expected)
+    # unscalify of a graph that records ScaledTensors: a new plain graph.
+    plain = ksc.unscalify(scaled)
+    assert plain is not model and "ToArray" not in _types(plain)
 
 
 def test_sequential_built_by_calling():
     model = keras.Sequential([keras.layers.Dense(8), keras.layers.LayerNormalization()])
     x = _x((8, 8))
-    model(x)
+    expected = _predict(model, x)
     scaled = ksc.scalify(model)
-    assert _types(scaled) == ["AsScaled", "ScaledDense", "ScaledLayerNormalization", "ToArray"]
-    _close(_predict(scaled, x), _predict(model, x))
+    assert _types(scaled) == ["ScaledDense", "ScaledLayerNormalization"]
+    _close(_predict(scaled, x), expected)
 
 
 def test_nested_and_shared_layers():
@@ -170,17 +196,17 @@ def test_nested_and_shared_layers():
     out = keras.layers.Add()([a, b])
     model = keras.Model(inp, out)
     x = _x((8, 8))
+    expected = _predict(model, x)
     scaled = ksc.scalify(model)
     new_shared = scaled.get_layer("shared")
     assert isinstance(new_shared, ScaledDense)
     assert len(new_shared._inbound_nodes) == 2  # still one shared layer
-    new_inner = scaled.get_layer("inner")
-    assert isinstance(new_inner, keras.Sequential)
-    assert isinstance(new_inner.layers[1], ScaledDense)
-    _close(_predict(scaled, x), _predict(model, x))
+    assert scaled.get_layer("inner") is inner
+    assert isinstance(inner.layers[0], ScaledDense)
+    _close(_predict(scaled, x), expected)
     plain = ksc.unscalify(scaled)
     assert not _scalify_layers(plain)
-    _close(_predict(plain, x), _predict(model, x))
+    _close(_predict(plain, x), expected)
 
 
 def test_embedding_attention_model():
@@ -193,41 +219,49 @@ def test_embedding_attention_model():
     out = keras.layers.RMSNormalization(name="rms")(h)
     model = keras.Model(tokens, out)
     x = np.random.default_rng(0).integers(0, 20, (8, 8)).astype("int32")
+    expected = _predict(model, x)
     scaled = ksc.scalify(model)
     for name, cls in [("emb", "ScaledEmbedding"), ("mha", "ScaledMultiHeadAttention"),
                       ("ein", "ScaledEinsumDense"), ("rms", "ScaledRMSNormalization")]:
         assert type(scaled.get_layer(name)).__name__ == cls
-    assert "AsScaled" not in _types(scaled)  # integer tokens are not scaled
-    _close(_predict(scaled, x), _predict(model, x))
+    _close(_predict(scaled, x), expected)
     plain = ksc.unscalify(scaled)
     assert not _scalify_layers(plain)
-    _close(_predict(plain, x), _predict(model, x))
+    _close(_predict(plain, x), expected)
 
 
 def test_exclude_and_unsupported_options():
-    model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(8, kernel_regularizer="l2", name="reg"), keras.layers.Dense(8, name="out")]
-    )
+    def model():
+        return keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8, kernel_regularizer="l2", name="reg"),
+             keras.layers.Dense(8, name="out")]
+        )
+
+    bad = model()
     with pytest.raises(ValueError, match="kernel_regularizer.*exclude"):
-        ksc.scalify(model)
-    scaled = ksc.scalify(model, exclude=["reg"])
-    assert _types(scaled) == ["Dense", "AsScaled", "ScaledDense", "ToArray"]
+        ksc.scalify(bad)
+    # A refused conversion changes nothing.
+    assert type(bad) is keras.Sequential and _types(bad) == ["Dense", "Dense"]
+    plain = model()
     x = _x((8, 8))
-    _close(_predict(scaled, x), _predict(model, x))
-    by_class = ksc.scalify(model, exclude=keras.layers.Dense)
+    expected = _predict(plain, x)
+    scaled = ksc.scalify(plain, exclude=["reg"])
+    assert _types(scaled) == ["Dense", "ScaledDense"]
+    _close(_predict(scaled, x), expected)
+    by_class = ksc.scalify(model(), exclude=keras.layers.Dense)
     assert not _scalify_layers(by_class)
 
 
 def test_dtype_override():
     model = _mlp()
+    x = _x((8, 8))
+    expected = _predict(model, x)
     scaled = ksc.scalify(model, dtype="scaled_fp8")
-    dense = scaled.layers[1]
+    dense = scaled.layers[0]
     assert dense.dtype_policy.name == "scaled_fp8"
     assert dense.kernel.data.dtype == "float16"
-    assert scaled.layers[0].compute_dtype == "float16"  # AsScaled
-    x = _x((8, 8))
     # E4M3 matmul inputs: ~2^-4 relative rounding per element.
-    assert _rel_err(_predict(scaled, x), _predict(model, x)) < 0.15
+    assert _rel_err(_predict(scaled, x), expected) < 0.15
 
 
 @pytest.fixture
@@ -338,13 +372,13 @@ def test_unconverted_layers_are_kept_not_cloned():
     h = ToArray()(h)
     out = keras.layers.Reshape((2, 4), name="reshape")(h)
     model = keras.Model(inp, out)
+    sd, reshape = model.get_layer("sd"), model.get_layer("reshape")
     new = ksc.scalify(model)
-    assert new is not model
-    assert new.get_layer("sd") is model.get_layer("sd")
-    assert new.get_layer("reshape") is model.get_layer("reshape")
+    assert new.get_layer("sd") is sd
+    assert new.get_layer("reshape") is reshape
 
 
-def test_wrappers_and_ops_nodes_in_a_rebuilt_graph():
+def test_wrappers_and_ops_nodes_in_a_scalified_graph():
     """Keras wrappers ask their layer for output shapes (TimeDistributed);
     `keras.ops` nodes and `x + y` between KerasTensors are kept as they
     are, fed plain values."""

@@ -11,6 +11,7 @@ import pytest
 
 import keras_scalify as ksc
 from tests import hub_models
+from tests.conftest import to_np
 
 
 def _mlp(seed):
@@ -83,14 +84,18 @@ def test_set_weights_names_what_is_wrong():
         scaled.set_weights(weights)
 
 
-def test_a_rebuilt_model_refuses_quantize_naming_unscalify():
-    """A rebuilt Sequential's root is a `ScalifiedModel` like an in-place
-    one; `quantize` cannot unscalify it in place, so it says how."""
+def test_a_scalified_sequential_quantizes_as_its_plain_self():
+    """A scalified Sequential is converted in place like every other model:
+    `quantize` serves it as Keras's quantize of its unscalified self."""
     scaled = ksc.scalify(_mlp(0), dtype="scaled_float32")
     assert isinstance(scaled, ksc.models.ScalifiedModel)
     assert isinstance(scaled, keras.Sequential)
-    with pytest.raises(ValueError, match=r"unscalify\(model\).*plain\.quantize\('int8'\)"):
-        scaled.quantize("int8")
-    plain = ksc.unscalify(scaled)
-    assert not isinstance(plain, ksc.models.ScalifiedModel)
-    plain.quantize("int8")  # Keras's own, on the plain copy
+    x = np.random.RandomState(0).standard_normal((4, 6)).astype("float32")
+    ref = to_np(scaled(x))
+    scaled.quantize("int8")
+    assert type(scaled) is keras.Sequential
+    dense = [layer for layer in scaled.layers if type(layer) is keras.layers.Dense]
+    assert len(dense) == 2 and all(layer.quantization_mode == "int8" for layer in dense)
+    out = to_np(scaled(x))
+    # int8 weights (per-channel) and activations: ~1% of the outputs' scale.
+    np.testing.assert_allclose(out, ref, atol=0.05 * np.abs(ref).max())

@@ -72,8 +72,10 @@ def test_graphs_with_scaled_operations_scalify_and_refuse_unscalify(rng):
     x, _, y = _graph(w)
     model = keras.Model(x, y)
     xv = rng.standard_normal((4, 8)).astype("float32")
+    expected = model.predict(xv, verbose=0)
     new = ksc.scalify(model)
-    assert_close(new.predict(xv, verbose=0), model.predict(xv, verbose=0), rtol=1e-6)
+    assert new is model
+    assert_close(new.predict(xv, verbose=0), expected, rtol=1e-6)
     import pytest
 
     with pytest.raises(ValueError, match="no plain Keras counterpart"):

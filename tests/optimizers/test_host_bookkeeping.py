@@ -92,7 +92,7 @@ def test_scale_reads_follow_writes():
         return keras.ops.convert_to_numpy(effective_grad_scale(stored, scale)), plain
 
     model = scaled_mlp("scaled_float32")
-    sv = model.layers[1].kernel
+    sv = model.layers[0].kernel
     sv.grad_scale.assign(np.float32(0.0))  # (effective grad scale: 1/scale)
     stored, scale = sv.read_stored_grad_scale(), sv.read_scale()
     for value in (0.25, 0.5):
@@ -146,7 +146,7 @@ def test_written_scales_are_known_without_a_read():
     written otherwise is read once (one synchronizing read), then kept."""
     from keras_scalify.backend.optimizer import assign_all
 
-    sv = scaled_mlp("scaled_float32").layers[1].kernel
+    sv = scaled_mlp("scaled_float32").layers[0].kernel
     like = S.variable_value(sv.grad_scale)
     with S.host_reads_disabled():
         assign_all([(sv.grad_scale, S.float32_scalar(0.5, like))])

@@ -66,7 +66,7 @@ def test_injected_nan_gradient_is_skipped_with_fp16_state():
 
 def test_grad_scale_recovers_on_a_skipped_step():
     model, opt, x, y = _trained_model()
-    kernel = model.layers[1].kernel
+    kernel = model.layers[0].kernel
     gs = float(keras.ops.convert_to_numpy(kernel.grad_scale))
     grads = [np.zeros(v.shape, "float32") for v in opt._trainable_variables]
     i = [id(v) for v in opt._trainable_variables].index(id(kernel.data))
@@ -84,7 +84,7 @@ def test_gradient_whose_float32_norm_overflows_is_skipped():
     skipped and the grad scale grows by 2**12, as for an inf."""
     model, opt, x, y = _trained_model()
     before = _state(model, opt)
-    kernel = model.layers[1].kernel
+    kernel = model.layers[0].kernel
     gs = float(keras.ops.convert_to_numpy(kernel.grad_scale))
     grads = [np.zeros(v.shape, "float32") for v in opt._trainable_variables]
     i = [id(v) for v in opt._trainable_variables].index(id(kernel.data))
@@ -156,7 +156,7 @@ def test_an_all_zero_gradient_holds_the_grad_scale_unless_it_may_be_underflow(ma
     Either way it was not measured: stored negative, no vote."""
     policy = ksc.ScaledDTypePolicy(compute_dtype="float32", master_dtype=master)
     model, opt, _, _ = _trained_model(policy)
-    kernel = model.layers[1].kernel
+    kernel = model.layers[0].kernel
     gs = float(keras.ops.convert_to_numpy(kernel.grad_scale))
     # As autodiff gives them: in each variable's dtype.
     grads = [keras.ops.zeros(v.shape, v.dtype) for v in opt._trainable_variables]
