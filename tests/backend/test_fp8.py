@@ -10,6 +10,7 @@ from keras import ops
 import keras_scalify as ksc
 from keras_scalify import backend as kb
 from keras_scalify.backend import fp8
+from keras_scalify.backend import fp8_rounding
 from tests.conftest import on_gpu
 from tests.conftest import to_np
 
@@ -171,7 +172,7 @@ def test_torch_scaled_mm_is_called_for_all_three_gemms(monkeypatch, rng):
 
     # The route is taken on CUDA only; forced here to run its GEMMs on CPU.
     monkeypatch.setattr(fp8, "_torch_route_ok", lambda *a: True)
-    casts = _count_calls(monkeypatch, fp8, "saturating_cast")
+    casts = _count_calls(monkeypatch, fp8_rounding, "saturating_cast")
     calls = []
     original = torch._scaled_mm
 
@@ -328,13 +329,13 @@ def test_simulation_rounding_is_saturating_cast_bit_for_bit(monkeypatch):
     # boundaries, subnormals, ±0, ±inf and NaN.
     from tests.core.test_formats import _edge_values
 
-    monkeypatch.setattr(fp8, "ELEMENTWISE_CHUNK", 1000)
+    monkeypatch.setattr(fp8_rounding, "ELEMENTWISE_CHUNK", 1000)
     x = _edge_values()
     assert x.size % 1000
     for dtype in ("float8_e4m3fn", "float8_e5m2"):
         for source in ("float32", "float16", "bfloat16", "float64"):
             t = ops.cast(ops.convert_to_tensor(x), source)
-            got = ops.convert_to_numpy(fp8.quantized_float32(t, dtype))
+            got = ops.convert_to_numpy(fp8_rounding.quantized_float32(t, dtype))
             want = ops.convert_to_numpy(ops.cast(ksc.core.saturating_cast(t, dtype), "float32"))
             assert got.dtype == np.float32 and got.shape == x.shape
             same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
@@ -343,14 +344,14 @@ def test_simulation_rounding_is_saturating_cast_bit_for_bit(monkeypatch):
     # (where the backend keeps float64: jax without x64 does not).
     big = ops.convert_to_tensor(np.array([1e300, -1e300, 3.0], np.float64))
     if ksc.core.formats.dtype_name(big.dtype) == "float64":
-        got = ops.convert_to_numpy(fp8.quantized_float32(big, "float8_e4m3fn"))
+        got = ops.convert_to_numpy(fp8_rounding.quantized_float32(big, "float8_e4m3fn"))
         np.testing.assert_array_equal(got, np.float32([448.0, -448.0, 3.0]))
-    empty = fp8.quantized_float32(ops.zeros((0, 3)), "float8_e4m3fn")
+    empty = fp8_rounding.quantized_float32(ops.zeros((0, 3)), "float8_e4m3fn")
     assert tuple(empty.shape) == (0, 3)
     # Compiled (`torch.compile` casts there and back), same bits.
     t = ops.convert_to_tensor(x)
-    got = ops.convert_to_numpy(kb.torch_compile(lambda v: fp8.quantized_float32(v, "float8_e5m2"))(t))
-    want = ops.convert_to_numpy(fp8.quantized_float32(t, "float8_e5m2"))
+    got = ops.convert_to_numpy(kb.torch_compile(lambda v: fp8_rounding.quantized_float32(v, "float8_e5m2"))(t))
+    want = ops.convert_to_numpy(fp8_rounding.quantized_float32(t, "float8_e5m2"))
     assert ((got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))).all()
 
 
@@ -365,13 +366,13 @@ def test_e5m2_from_bits_is_the_saturating_cast_bit_for_bit(monkeypatch):
 
     x = ops.convert_to_tensor(_edge_values())
     want = ksc.core.saturating_cast(x, "float8_e5m2").view(torch.uint8)
-    got = fp8.e5m2_from_bits(ksc.core.saturating_round(x, "float8_e5m2")).view(torch.uint8)
+    got = fp8_rounding.e5m2_from_bits(ksc.core.saturating_round(x, "float8_e5m2")).view(torch.uint8)
     nan = torch.isnan(x)
     assert torch.equal(got[~nan], want[~nan])
     assert torch.isnan(got.view(torch.float8_e5m2).float()[nan]).all()
     inf = ops.convert_to_tensor(np.float32([np.inf, -np.inf, 1e9, 3.0]))
-    monkeypatch.setattr(fp8, "_compiled_cast_saturates_inf", lambda x: True)
-    out = fp8._torch_saturating_cast(inf, "float8_e5m2").float()
+    monkeypatch.setattr(fp8_rounding, "_compiled_cast_saturates_inf", lambda x: True)
+    out = fp8_rounding._torch_saturating_cast(inf, "float8_e5m2").float()
     np.testing.assert_array_equal(out.cpu().numpy(), [np.inf, -np.inf, 57344.0, 3.0])
 
 
@@ -379,13 +380,13 @@ def test_simulation_rounds_in_float32_arithmetic_on_jax(rng):
     """jax (always compiled) rounds to FP8 in float32 arithmetic, TF
     casts to FP8 and back, torch rounds the bit pattern. Same values."""
     x = rng.standard_normal((8, 32)).astype("float32") * 100
-    got = to_np(fp8.quantized_float32(ops.convert_to_tensor(x), "float8_e4m3fn"))
+    got = to_np(fp8_rounding.quantized_float32(ops.convert_to_tensor(x), "float8_e4m3fn"))
     want = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(got, want)
     if BACKEND == "jax":
         import jax
 
-        text = jax.jit(lambda t: fp8.quantized_float32(t, "float8_e5m2")).lower(x).as_text()
+        text = jax.jit(lambda t: fp8_rounding.quantized_float32(t, "float8_e5m2")).lower(x).as_text()
         assert "f8E5M2" not in text and "round_nearest_even" in text
 
 

@@ -466,7 +466,7 @@ def test_reused_buffers_are_not_made_under_inference_mode():
     # and stochastic rounding first called there run again outside.
     import torch
 
-    from keras_scalify.backend import fp8
+    from keras_scalify.backend import fp8_rounding
     from keras_scalify.backend import scalar
     from keras_scalify.core.rounding import stochastic_cast
 
@@ -476,8 +476,8 @@ def test_reused_buffers_are_not_made_under_inference_mode():
     x = torch.randn(3000)
     key = torch.tensor(5, dtype=torch.int32)
     with torch.inference_mode():
-        inside = (fp8._round_torch(w, "float8_e4m3fn").clone(), stochastic_cast(x, "float16", key=key).clone())
-    outside = (fp8._round_torch(w, "float8_e4m3fn"), stochastic_cast(x, "float16", key=key))
+        inside = (fp8_rounding._round_torch(w, "float8_e4m3fn").clone(), stochastic_cast(x, "float16", key=key).clone())
+    outside = (fp8_rounding._round_torch(w, "float8_e4m3fn"), stochastic_cast(x, "float16", key=key))
     for a, b in zip(inside, outside):
         assert torch.equal(a, b)
 
